@@ -391,7 +391,7 @@ def token_clip_loss(
   """
   _check_tokens({"logp": logp, "old_logp": old_logp, "mask": mask})
   mask = _f32(mask)
-  advantages = _broadcast_advantages(advantages, mask)
+  advantages = jax.lax.stop_gradient(_broadcast_advantages(advantages, mask))
   log_ratio = _f32(logp) - jax.lax.stop_gradient(_f32(old_logp))
   ratio = _safe_exp(log_ratio)
   per_token, is_clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip)
@@ -437,7 +437,7 @@ def sequence_clip_loss(
   """
   _check_tokens({"logp": logp, "old_logp": old_logp, "mask": mask})
   logp, mask = _f32(logp), _f32(mask)
-  advantages = _broadcast_advantages(advantages, mask)
+  advantages = jax.lax.stop_gradient(_broadcast_advantages(advantages, mask))
   old_logp = jax.lax.stop_gradient(_f32(old_logp))
   seq_log_ratio = jax.lax.stop_gradient(sequence_log_ratio(logp, old_logp, mask))
   seq_log_ratio = jnp.clip(seq_log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
