@@ -1,0 +1,1 @@
+"""Data files shipped with seeupo_jax (the tokenizer training corpus)."""
