@@ -1,0 +1,103 @@
+r"""Runs one experiment: a config from the registry, overrides, a workdir.
+
+  python experiments/run.py --config=bandit --workdir=/tmp/bandit \
+      --config.num_seeds=100 --config.algorithms=seeupo,grpo
+
+`--config=NAME` picks a config from `experiments/configs` (an unknown name
+is an error that lists the allowed ones); `--config.a.b=value` overrides a
+key (an unknown key is an error naming it). The config's `program` selects
+what runs, from the fixed table `PROGRAMS`. This file only dispatches.
+"""
+
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+import ml_collections  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from experiments import configs  # noqa: E402
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
+
+
+def _run_bandit(config: ml_collections.ConfigDict, workdir: str) -> None:
+  from seeupo_jax.theory import sweep  # pylint: disable=g-import-not-at-top
+  sweep.main(config, workdir)
+
+
+PROGRAMS = {
+    "bandit": _run_bandit,
+}
+
+
+class UsageError(ValueError):
+  """A bad command line: printed without a traceback, exit status 2."""
+
+
+def split_config_name(argv: list[str]) -> tuple[str, list[str]]:
+  """Removes `--config=NAME` (or `--config NAME`) from argv; returns NAME."""
+  rest, name = [argv[0]], None
+  args = iter(argv[1:])
+  for arg in args:
+    if arg.startswith("--config="):
+      name = arg.split("=", 1)[1]
+    elif arg == "--config":
+      name = next(args, None)
+    else:
+      rest.append(arg)
+  if not name:
+    raise UsageError(f"--config=NAME is required; allowed names: "
+                     f"{sorted(configs.CONFIGS)}")
+  return name, rest
+
+
+def check_overrides(config: ml_collections.ConfigDict, name: str,
+                    argv: list[str]) -> None:
+  """Every `--config.a.b=...` must name an existing key of the config."""
+  for arg in argv[1:]:
+    if not arg.startswith("--config."):
+      continue
+    path = arg[len("--config."):].split("=", 1)[0]
+    node = config
+    for part in path.split("."):
+      if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+        raise UsageError(
+            f"unknown config key {path!r} for --config={name}; known keys: "
+            f"{sorted(config.keys())}")
+      node = node[part]
+
+
+def _main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not _WORKDIR.value:
+    raise app.UsageError("--workdir=DIR is required")
+  config = flags.FLAGS.config
+  if config.program not in PROGRAMS:
+    raise app.UsageError(f"config.program={config.program!r}; allowed: "
+                         f"{sorted(PROGRAMS)}")
+  PROGRAMS[config.program](config, _WORKDIR.value)
+
+
+def run(argv: list[str]) -> None:
+  """Parses the config name and overrides, then runs the program."""
+  try:
+    name, argv = split_config_name(argv)
+    config = configs.get_config(name)
+    check_overrides(config, name, argv)
+  except (UsageError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  config_flags.DEFINE_config_dict("config", config, lock_config=True,
+                                  sys_argv=argv)
+  app.run(_main, argv=argv)
+
+
+if __name__ == "__main__":
+  run(sys.argv)

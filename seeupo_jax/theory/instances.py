@@ -1,0 +1,98 @@
+"""Instance families for the multi-turn contextual bandit.
+
+Every generator has the signature `(key, num_contexts, num_actions,
+num_turns) -> Bandit`, is pure JAX (vmap over keys gives a batch of
+instances), and draws contexts uniformly. Families:
+
+* `random`: r(x, a) ~ U[0, 1] i.i.d. for every trajectory. Many near-optimal
+  leaves; the benign case.
+* `trap` (delayed pay-off): each context has a hidden key sequence k.
+  r = 1 if a = k; r = 0 if a_1 = k_1 but a later action misses; otherwise
+  (a_1 != k_1) a "safe" reward 0.5 + 0.1 u, u ~ U[0, 1]. Under the uniform
+  policy E[r | a_1 = k_1] = K^-(T-1) while E[r | a_1 != k_1] ~ 0.55, so an
+  update of turn 1 that does not account for the later turns' improvement
+  moves away from k_1: the best first action only pays off if the later
+  turns find a rare action. J* = 1.
+* `decoy`: a hidden key k and a decoy d with d_t != k_t at every turn.
+  r = 1 if a = k, otherwise r = 0.6 * (number of turns with a_t = d_t) / T.
+  The decoy gives a dense signal towards a local optimum worth 0.6; the key
+  gives nothing until the whole sequence is hit (probability K^-T under the
+  uniform policy). J* = 1.
+"""
+
+from typing import Callable
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from seeupo_jax.theory import bandit as bandit_lib
+
+InstanceFn = Callable[[chex.PRNGKey, int, int, int], bandit_lib.Bandit]
+
+
+def _uniform_contexts(num_contexts: int) -> chex.Array:
+  return jnp.full((num_contexts,), 1.0 / num_contexts)
+
+
+def _all_sequences(num_actions: int, num_turns: int) -> chex.Array:
+  """[K^T, T] int32, every action sequence in trajectory order."""
+  idx = jnp.arange(num_actions**num_turns)
+  digits = [(idx // num_actions**(num_turns - 1 - t)) % num_actions
+            for t in range(num_turns)]
+  return jnp.stack(digits, -1)
+
+
+def random_instance(key, num_contexts, num_actions, num_turns):
+  """r(x, a) ~ U[0, 1] i.i.d.; uniform contexts."""
+  rewards = jax.random.uniform(
+      key, (num_contexts, num_actions**num_turns), jnp.float32)
+  return bandit_lib.Bandit(rewards, _uniform_contexts(num_contexts),
+                           num_turns, num_actions)
+
+
+def trap_instance(key, num_contexts, num_actions, num_turns):
+  """Delayed pay-off: 1 for the key, 0 after a_1 = k_1 otherwise, ~0.55 else."""
+  key_seq, key_safe = jax.random.split(key)
+  seqs = _all_sequences(num_actions, num_turns)  # [K^T, T]
+  keys = jax.random.randint(key_seq, (num_contexts, num_turns), 0,
+                            num_actions)
+  hit = jnp.all(seqs[None] == keys[:, None], -1)  # [X, K^T]
+  first = seqs[None, :, 0] == keys[:, None, 0]
+  safe = 0.5 + 0.1 * jax.random.uniform(key_safe, hit.shape)
+  rewards = jnp.where(hit, 1.0, jnp.where(first, 0.0, safe))
+  return bandit_lib.Bandit(rewards.astype(jnp.float32),
+                           _uniform_contexts(num_contexts), num_turns,
+                           num_actions)
+
+
+def decoy_instance(key, num_contexts, num_actions, num_turns):
+  """1 for the key; 0.6 * (share of turns matching a decoy) otherwise."""
+  key_seq, key_shift = jax.random.split(key)
+  seqs = _all_sequences(num_actions, num_turns)
+  keys = jax.random.randint(key_seq, (num_contexts, num_turns), 0,
+                            num_actions)
+  shift = jax.random.randint(key_shift, keys.shape, 1, num_actions)
+  decoys = (keys + shift) % num_actions  # d_t != k_t at every turn
+  hit = jnp.all(seqs[None] == keys[:, None], -1)
+  decoy_share = jnp.mean(seqs[None] == decoys[:, None], -1)
+  rewards = jnp.where(hit, 1.0, 0.6 * decoy_share)
+  return bandit_lib.Bandit(rewards.astype(jnp.float32),
+                           _uniform_contexts(num_contexts), num_turns,
+                           num_actions)
+
+
+FAMILIES: dict[str, InstanceFn] = {
+    "random": random_instance,
+    "trap": trap_instance,
+    "decoy": decoy_instance,
+}
+
+
+def get_family(name: str) -> InstanceFn:
+  """Looks up an instance family by name; a bad name lists the allowed ones."""
+  if name not in FAMILIES:
+    raise ValueError(
+        f"unknown instance family {name!r} (config key `families`); allowed: "
+        f"{sorted(FAMILIES)}")
+  return FAMILIES[name]

@@ -1,0 +1,234 @@
+"""The bandit comparison: every (algorithm, family, learning rate), many seeds.
+
+`run_sweep(config)` returns the normalised learning curves; `main(config,
+workdir)` prints the table and writes the plots (it is what
+`python experiments/run.py --config=bandit --workdir=DIR` calls).
+
+Common random numbers: seed s draws the same instance and the same sampling
+keys for every algorithm and learning rate, so differences between
+algorithms are not differences in luck.
+"""
+
+import functools
+import json
+import os
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from seeupo_jax.theory import algorithms
+from seeupo_jax.theory import bandit as bandit_lib
+from seeupo_jax.theory import instances
+from seeupo_jax.theory import policies
+from seeupo_jax.theory import report
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """Defaults of the bandit comparison (`--config=bandit`).
+
+  Keys: `seed`, `num_seeds` (runs per setting); problem size
+  `num_contexts` X, `num_actions` K, `num_turns` T; `policy` ("tabular" or
+  "shared"); `families` and `algorithms` (comma-separated names);
+  `num_iterations` I and `group_size` n (the sample budget, I * X * n
+  rollouts, is the same for every algorithm); `epochs_per_turn`,
+  `minibatches_per_turn`; `clip_eps` (policy clip), `correction_clip`
+  (SeeUPO's M clip); `gamma`, `gae_lambda`, `critic_lr` (PPO's critic);
+  `learning_rates` (the SGD grid, comma-separated; each table row uses the
+  best).
+  """
+  config = ml_collections.ConfigDict()
+  config.program = "bandit"
+  config.seed = 0
+  config.num_seeds = 100
+  config.num_contexts = 3
+  config.num_actions = 2
+  config.num_turns = 4
+  config.policy = "tabular"
+  config.families = "random,trap,decoy"
+  config.algorithms = ("seeupo,seeupo_forward,seeupo_random,seeupo_nocorr,"
+                       "seeupo_groupstd,grpo,gspo,reinforce,rloo,ppo")
+  config.num_iterations = 200
+  config.group_size = 16
+  config.epochs_per_turn = 2
+  config.minibatches_per_turn = 2
+  config.clip_eps = 0.2
+  config.correction_clip = 0.2
+  config.gamma = 1.0
+  config.gae_lambda = 1.0
+  config.critic_lr = 1.0
+  config.learning_rates = "0.3,1,3,10"
+  return config
+
+
+class SettingResult(NamedTuple):
+  """Result of one (algorithm, family) over the learning-rate grid.
+
+  Attributes:
+    learning_rates: [L] float, the grid.
+    curves: [L, runs, I + 1] float32, J / J* per run.
+    best: index into the grid with the highest mean final J / J*.
+  """
+  learning_rates: np.ndarray
+  curves: np.ndarray
+  best: int
+
+  @property
+  def best_curves(self) -> np.ndarray:
+    return self.curves[self.best]
+
+
+def _names(config_value: str, key: str) -> list[str]:
+  names = [n.strip() for n in str(config_value).split(",") if n.strip()]
+  if not names:
+    raise ValueError(f"config key `{key}` is empty")
+  return names
+
+
+def learning_rates(config: ml_collections.ConfigDict) -> np.ndarray:
+  """Parses `config.learning_rates` ("0.3,1,3") into a positive array."""
+  try:
+    lrs = np.array([float(v) for v in _names(config.learning_rates,
+                                             "learning_rates")], np.float32)
+  except ValueError as e:
+    raise ValueError(f"config key `learning_rates` must be comma-separated "
+                     f"numbers, got {config.learning_rates!r}") from e
+  if np.any(lrs <= 0):
+    raise ValueError(f"config key `learning_rates` must be > 0, got {lrs}")
+  return lrs
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Checks every name in the config before anything is compiled."""
+  for name in _names(config.algorithms, "algorithms"):
+    algorithms.get_algorithm(name)
+  for name in _names(config.families, "families"):
+    instances.get_family(name)
+  if config.policy not in policies.POLICIES:
+    raise ValueError(f"unknown policy {config.policy!r} (config key "
+                     f"`policy`); allowed: {sorted(policies.POLICIES)}")
+  if not 2 <= config.num_turns <= 6:
+    raise ValueError(f"config key `num_turns` must be in 2..6, got "
+                     f"{config.num_turns}")
+  if int(config.num_seeds) < 2:
+    raise ValueError(f"config key `num_seeds` must be >= 2, got "
+                     f"{config.num_seeds}")
+  learning_rates(config)
+
+
+def _seed_keys(config) -> tuple[jax.Array, jax.Array]:
+  """[runs] instance keys and [runs] training keys, from `config.seed`."""
+  base = jax.random.PRNGKey(int(config.seed))
+  keys = jax.vmap(lambda s: jax.random.split(jax.random.fold_in(base, s)))(
+      jnp.arange(int(config.num_seeds)))
+  return keys[:, 0], keys[:, 1]
+
+
+def make_instances(config, family: str) -> bandit_lib.Bandit:
+  """A batch of `num_seeds` instances of one family (leading axis = run)."""
+  instance_keys, _ = _seed_keys(config)
+  make = instances.get_family(family)
+  shape = (int(config.num_contexts), int(config.num_actions),
+           int(config.num_turns))
+  return jax.jit(jax.vmap(lambda k: make(k, *shape)))(instance_keys)
+
+
+_RUN_KEYS = ("seed", "num_seeds", "families", "algorithms", "learning_rates")
+
+
+def make_setting_fn(config, algorithm: str):
+  """Jitted (bandits[runs], train_keys[runs], lrs[L]) -> [L, runs, I+1] J/J*.
+
+  Cached on the keys that shape the computation, so a second sweep with
+  another seed or grid does not compile again.
+  """
+  static = {k: v for k, v in config.items() if k not in _RUN_KEYS}
+  return _cached_setting_fn(json.dumps(static, sort_keys=True), algorithm)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_setting_fn(static_json: str, algorithm: str):
+  config = ml_collections.ConfigDict(json.loads(static_json))
+  enum = bandit_lib.enumerate_bandit(int(config.num_contexts),
+                                     int(config.num_actions),
+                                     int(config.num_turns))
+  policy = policies.get_policy(config.policy, enum)
+  train = algorithms.make_train_fn(config, enum, policy,
+                                   algorithms.get_algorithm(algorithm))
+
+  def _one_run(bandit, key, lr):
+    out = train(key, bandit, lr)
+    return out.returns / bandit_lib.optimal_return(bandit)
+
+  over_runs = jax.vmap(_one_run, in_axes=(0, 0, None))
+  return jax.jit(jax.vmap(over_runs, in_axes=(None, None, 0)))
+
+
+def run_sweep(config: ml_collections.ConfigDict,
+              log=print) -> dict[tuple[str, str], SettingResult]:
+  """Runs every (algorithm, family) on the grid; see module doc."""
+  validate(config)
+  lrs = learning_rates(config)
+  _, train_keys = _seed_keys(config)
+  families = {f: make_instances(config, f)
+              for f in _names(config.families, "families")}
+  results = {}
+  for algorithm in _names(config.algorithms, "algorithms"):
+    setting_fn = make_setting_fn(config, algorithm)
+    for family, bandits in families.items():
+      start = time.perf_counter()
+      curves = np.asarray(setting_fn(bandits, train_keys, jnp.asarray(lrs)))
+      best = int(np.argmax(curves[:, :, -1].mean(1)))
+      results[(algorithm, family)] = SettingResult(lrs, curves, best)
+      log(f"{algorithm:>16s} on {family:<7s} {time.perf_counter() - start:5.1f}"
+          f" s (lr grid {lrs.tolist()}, best {lrs[best]:g})")
+  return results
+
+
+def table(results: dict[tuple[str, str], SettingResult]) -> str:
+  """The markdown comparison table, rows grouped by family."""
+  rows = []
+  for family in dict.fromkeys(f for _, f in results):
+    for (algorithm, fam), r in results.items():
+      if fam == family:
+        rows.append((algorithm, family, float(r.learning_rates[r.best]),
+                     report.summarise(r.best_curves)))
+  return report.format_table(rows)
+
+
+def describe(config: ml_collections.ConfigDict) -> str:
+  """One paragraph with the setting, for the top of the output."""
+  b = config.num_contexts * config.group_size
+  return (
+      f"{config.num_turns}-turn bandit, {config.num_contexts} contexts, "
+      f"{config.num_actions} actions, {config.policy} policy; "
+      f"{config.num_iterations} iterations x {b} rollouts "
+      f"({config.group_size} per context); {config.epochs_per_turn} epochs x "
+      f"{config.minibatches_per_turn} minibatches per turn (per iteration for "
+      f"simultaneous updates, 1 x 1 for REINFORCE/RLOO); clip "
+      f"{config.clip_eps}, correction clip {config.correction_clip}, gamma "
+      f"{config.gamma}; {config.num_seeds} seeds (seed {config.seed}); SGD, "
+      f"learning-rate grid {learning_rates(config).tolist()}, best per row.")
+
+
+def main(config: ml_collections.ConfigDict, workdir: str) -> str:
+  """Runs the sweep, prints the table, writes table.md, curves.npz, PNGs."""
+  os.makedirs(workdir, exist_ok=True)
+  results = run_sweep(config)
+  text = describe(config) + "\n\n" + table(results)
+  print(text)
+  with open(os.path.join(workdir, "table.md"), "w", encoding="utf-8") as f:
+    f.write(text + "\n")
+  np.savez_compressed(
+      os.path.join(workdir, "curves.npz"),
+      **{f"{a}__{f}": r.curves for (a, f), r in results.items()},
+      learning_rates=learning_rates(config))
+  for family in dict.fromkeys(f for _, f in results):
+    curves = {a: r.best_curves for (a, f), r in results.items() if f == family}
+    path = os.path.join(workdir, f"curves_{family}.png")
+    report.plot_curves(path, family, curves)
+    print(f"wrote {path}")
+  return text
