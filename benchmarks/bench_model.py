@@ -1,0 +1,204 @@
+"""Forward+backward tokens/s: our Flax Qwen3 vs transformers' PyTorch Qwen3, side by side.
+
+Both models get the same config and the same batch; one step is the mean
+next-token cross-entropy and its gradient w.r.t. all parameters (ours:
+`token_logprobs` under `jax.value_and_grad`, jitted; torch: `model(ids,
+labels=ids).loss.backward()`). Rounds alternate between the two so machine
+noise hits both; the report gives the median step time of each and the ratio.
+
+  .venv/bin/python benchmarks/bench_model.py                      # CPU, hidden 256, 4 layers, 8 x 512
+  .venv/bin/python benchmarks/bench_model.py --mfu --preset qwen3-0.6b --dtype bfloat16 \
+      --batch 8 --seq 2048 --no-torch                             # GPU: MFU of the 0.6B preset
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+if "--cpu-devices" in sys.argv:  # must be set before jax is imported
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + " --xla_force_host_platform_device_count="
+        + sys.argv[sys.argv.index("--cpu-devices") + 1]
+    )
+if "--jax-single-thread" in sys.argv:  # must be set before jax is imported
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    )
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax.sharding import NamedSharding
+
+from seeupo_jax import sharding
+from seeupo_jax.models import config as config_lib
+from seeupo_jax.models import qwen
+
+
+def make_jax_step(config, chunk_size):
+    """Jitted (params, ids) -> (loss, grads) of the mean next-token NLL."""
+
+    def loss_fn(params, ids):
+        b, s = ids.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        targets = jnp.concatenate([ids[:, 1:], ids[:, :1]], axis=1)
+        logp = qwen.token_logprobs(
+            params, ids, targets, positions, config=config, chunk_size=chunk_size
+        )
+        return -jnp.mean(logp[:, :-1])
+
+    return jax.jit(jax.value_and_grad(loss_fn))
+
+
+def make_torch_step(config, attn_implementation, threads):
+    """(ids) -> loss of transformers' Qwen3ForCausalLM with the same config, backward included."""
+    import torch
+    import transformers
+
+    if threads:
+        torch.set_num_threads(threads)
+    hf = config.to_hf_dict()
+    hf.pop("architectures"), hf.pop("model_type"), hf.pop("torch_dtype"), hf.pop("dtype")
+    cls_config = transformers.Qwen3Config if config.qk_norm else transformers.Qwen2Config
+    model = transformers.Qwen3ForCausalLM if config.qk_norm else transformers.Qwen2ForCausalLM
+    torch.manual_seed(0)
+    m = model(cls_config(**hf, attn_implementation=attn_implementation)).float().train()
+
+    def step(ids):
+        m.zero_grad(set_to_none=True)
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.item()
+
+    return step
+
+
+def time_steps(step, n):
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def train_flops_per_token(config, seq):
+    """6 * (matmul params) + 12 * layers * seq * heads * head_dim (causal attn counted in full)."""
+    d, f, l = config.hidden_size, config.intermediate_size, config.num_layers
+    attn_params = d * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
+    matmul_params = l * (attn_params + 3 * d * f) + d * config.vocab_size
+    return 6 * matmul_params + 12 * l * seq * config.num_heads * config.head_dim
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="qwen3-bench", choices=sorted(config_lib.PRESETS))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="steps per round per framework")
+    parser.add_argument("--dtype", default="float32", choices=config_lib.DTYPES)
+    parser.add_argument("--remat", default="none", choices=config_lib.REMAT_POLICIES)
+    parser.add_argument("--no-scan", action="store_true", help="unroll the layers")
+    parser.add_argument("--attn-block", type=int, default=128, help="ModelConfig.attn_block_size")
+    parser.add_argument("--chunk", type=int, default=512, help="token_logprobs chunk_size")
+    parser.add_argument("--torch-attn", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--torch-threads", type=int, default=0)
+    parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=0,
+        help="split the CPU into N XLA devices and shard the batch over them (data parallel)",
+    )
+    parser.add_argument(
+        "--jax-single-thread",
+        action="store_true",
+        help="XLA CPU on one thread (pair with --torch-threads 1)",
+    )
+    parser.add_argument("--mfu", action="store_true", help="report MFU (needs --peak-tflops)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="H100/H200 bf16 dense")
+    args = parser.parse_args()
+
+    config = config_lib.get_preset(
+        args.preset,
+        dtype=args.dtype,
+        param_dtype=args.dtype,
+        remat=args.remat,
+        scan_layers=not args.no_scan,
+        attn_block_size=args.attn_block,
+    )
+    rng = np.random.default_rng(0)
+    ids_np = rng.integers(0, config.vocab_size, (args.batch, args.seq)).astype(np.int32)
+    tokens = args.batch * args.seq
+
+    params = qwen.init_params(config, jax.random.key(0))
+    ids = jnp.asarray(ids_np)
+    if args.cpu_devices:
+        mesh = sharding.make_mesh(data=args.cpu_devices, fsdp=1, tensor=1)
+        params = jax.device_put(params, sharding.param_shardings(params, mesh))
+        ids = jax.device_put(ids, NamedSharding(mesh, sharding.TOKENS))
+    jax_step = make_jax_step(config, args.chunk)
+    t0 = time.perf_counter()
+    jax_step = jax_step.lower(params, ids).compile()
+    compile_s = time.perf_counter() - t0
+    jax.block_until_ready(jax_step(params, ids))
+
+    def run_jax():
+        jax.block_until_ready(jax_step(params, ids))
+
+    run_torch = None
+    if not args.no_torch:
+        import torch
+
+        torch_step = make_torch_step(config, args.torch_attn, args.torch_threads)
+        ids_t = torch.tensor(ids_np, dtype=torch.long)
+        torch_step(ids_t)
+        run_torch = functools.partial(torch_step, ids_t)
+
+    jax_times, torch_times = [], []
+    for _ in range(args.rounds):
+        jax_times += time_steps(run_jax, args.steps)
+        if run_torch:
+            torch_times += time_steps(run_torch, args.steps)
+
+    result = {
+        "preset": args.preset,
+        "batch": args.batch,
+        "seq": args.seq,
+        "dtype": args.dtype,
+        "remat": args.remat,
+        "scan_layers": not args.no_scan,
+        "attn_block": args.attn_block,
+        "device": jax.devices()[0].device_kind,
+        "jax_devices": len(jax.devices()),
+        "jax_compile_s": round(compile_s, 2),
+        "jax_step_s": round(statistics.median(jax_times), 4),
+        "jax_tokens_per_s": round(tokens / statistics.median(jax_times), 1),
+    }
+    if run_torch:
+        result["torch_attn"] = args.torch_attn
+        result["torch_threads"] = __import__("torch").get_num_threads()
+        result["torch_step_s"] = round(statistics.median(torch_times), 4)
+        result["torch_tokens_per_s"] = round(tokens / statistics.median(torch_times), 1)
+        result["ratio_jax_over_torch"] = round(
+            statistics.median(torch_times) / statistics.median(jax_times), 3
+        )
+    if args.mfu:
+        flops = train_flops_per_token(config, args.seq) * tokens
+        result["model_tflops_per_step"] = round(flops / 1e12, 3)
+        result["mfu"] = round(flops / statistics.median(jax_times) / (args.peak_tflops * 1e12), 4)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Flax building blocks of a Qwen2/Qwen3 decoder block.
+
+RMSNorm, rotary embeddings, grouped-query attention and the SwiGLU MLP. The
+stack of blocks, the KV cache and the log-prob head live in `qwen.py`.
+Parameter names follow the Hugging Face checkpoint (`q_proj`, `gate_proj`,
+...) so the checkpoint mapping is one table.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from seeupo_jax.models.config import ModelConfig
+from seeupo_jax import sharding
+
+_INIT = nn.initializers.normal(stddev=0.02)  # HF initializer_range
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float):
+    """cos/sin tables of rotary embeddings (half-split layout, as in HF Qwen).
+
+    inv_freq_i = theta^(-2i / head_dim), angle = position * inv_freq, and the
+    tables repeat the head_dim/2 angles twice: cos = [cos(angle), cos(angle)].
+
+    Args:
+      positions: int32[B, S] RoPE position of each token.
+      head_dim: even per-head width.
+      theta: RoPE base.
+
+    Returns:
+      (cos, sin): float32[B, S, 1, head_dim] each (broadcast over heads).
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, hd/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x * cos + rotate_half(x) * sin, with rotate_half([a, b]) = [-b, a].
+
+    Args:
+      x: [B, S, N, head_dim] queries or keys, any float dtype.
+      cos, sin: float32[B, S, 1, head_dim] from `rope_tables`.
+
+    Returns:
+      [B, S, N, head_dim] in x's dtype (computed in float32).
+    """
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """y = scale * x / sqrt(mean(x^2) + eps), statistics in float32 (HF Qwen2RMSNorm)."""
+
+    eps: float
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(self.dtype) * normed.astype(self.dtype)
+
+
+def _dense(features: int, use_bias: bool, name: str, dtype, param_dtype):
+    return nn.Dense(
+        features,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=_INIT,
+        bias_init=nn.initializers.zeros,
+        name=name,
+    )
+
+
+def _to_heads(q, k, v):
+    """[B,S,H,hd], [B,T,K,hd] x2 -> scaled q [B,K,G,S,hd], k/v [B,K,T,hd] (head-major)."""
+    b, s, h, hd = q.shape
+    kv = k.shape[2]
+    q = (q * jnp.asarray(hd**-0.5, q.dtype)).reshape(b, s, kv, h // kv, hd)
+    return q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def _from_heads(out):
+    """[B,K,G,S,hd] -> [B,S,H*hd]."""
+    b, kv, g, s, hd = out.shape
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, s, kv * g * hd)
+
+
+def _softmax_attention(q, k, v, allowed):
+    """softmax(q k^T, masked) v, head-major: q [B,K,G,S,hd], k/v [B,K,T,hd], allowed bool[B,S,T]."""
+    scores = jnp.einsum("bkgsd,bktd->bkgst", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(allowed[:, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgst,bktd->bkgsd", probs, v)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Grouped-query softmax attention under an arbitrary mask.
+
+    out[b,s,h] = sum_t softmax_t(q[b,s,h] . k[b,t,h//G] / sqrt(hd), masked) v[b,t,h//G]
+    with G = H / K query heads per key/value head; scores and softmax in float32.
+
+    Args:
+      q: [B, S, H, hd] queries (after RoPE).
+      k, v: [B, T, K, hd] keys (after RoPE) and values.
+      allowed: bool[B, S, T], True where query s may attend to key t. A row with
+        no allowed key gives a uniform average (no NaN).
+
+    Returns:
+      [B, S, H * hd] in q's dtype.
+    """
+    chex.assert_rank([q, k, v, allowed], [4, 4, 4, 3])
+    qh, kh, vh = _to_heads(q, k, v)
+    return _from_heads(_softmax_attention(qh, kh, vh, allowed))
+
+
+def causal_attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array, block_size: int
+) -> jax.Array:
+    """Causal grouped-query self-attention, computed block by block.
+
+    Same result as `attend` with allowed[b,s,t] = (t <= s) & key_valid[b,t], but
+    the queries are split into blocks of `block_size` and block i only scores
+    the keys [0, end of block i): about half the work and memory of the full
+    [S, S] score matrix, with blocks small enough to stay in cache on a CPU.
+
+    Args:
+      q: [B, S, H, hd] queries; k, v: [B, S, K, hd] keys and values.
+      key_valid: bool[B, S], False for pad tokens (never attended to).
+      block_size: query block length (static).
+
+    Returns:
+      [B, S, H * hd] in q's dtype.
+    """
+    chex.assert_rank([q, k, v, key_valid], [4, 4, 4, 2])
+    qh, kh, vh = _to_heads(q, k, v)
+    s = q.shape[1]
+    outs = []
+    for start in range(0, s, block_size):
+        stop = min(start + block_size, s)
+        causal = jnp.arange(stop)[None, :] <= jnp.arange(start, stop)[:, None]
+        allowed = causal[None] & key_valid[:, None, :stop]
+        outs.append(
+            _softmax_attention(qh[:, :, :, start:stop], kh[:, :, :stop], vh[:, :, :stop], allowed)
+        )
+    return _from_heads(jnp.concatenate(outs, axis=3))
+
+
+class Attention(nn.Module):
+    """GQA self-attention with optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask, past_k=None, past_v=None, index=None):
+        """Attention of the S new tokens over past + new keys.
+
+        Args:
+          x: [B, S, D] normed hidden states (compute dtype).
+          cos, sin: float32[B, S, 1, hd] RoPE tables of the new tokens.
+          mask: without cache, bool[B, S] key validity (causal attention over
+            the S tokens, see `causal_attend`); with cache, bool[B, S, T], True
+            where new token s may attend to cache slot t.
+          past_k, past_v: optional [B, T, K, hd] this layer's cache; the new keys
+            and values are written at slots [index, index + S) before attending.
+          index: int32 scalar, first cache slot of the new tokens.
+
+        Returns:
+          (out [B, S, D], k [B, S, K, hd], v [B, S, K, hd]): the new tokens' keys
+          (after RoPE) and values, for the caller to store in the cache.
+        """
+        c = self.config
+        dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
+        b, s, _ = x.shape
+        q = _dense(c.num_heads * c.head_dim, c.attention_bias, "q_proj", dt, pdt)(x)
+        k = _dense(c.num_kv_heads * c.head_dim, c.attention_bias, "k_proj", dt, pdt)(x)
+        v = _dense(c.num_kv_heads * c.head_dim, c.attention_bias, "v_proj", dt, pdt)(x)
+        q = q.reshape(b, s, c.num_heads, c.head_dim)
+        k = k.reshape(b, s, c.num_kv_heads, c.head_dim)
+        v = v.reshape(b, s, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, dt, pdt, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, dt, pdt, name="k_norm")(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        if past_k is None:
+            out = causal_attend(q, k, v, mask, c.attn_block_size)
+        else:
+            all_k = jax.lax.dynamic_update_slice(past_k, k.astype(past_k.dtype), (0, index, 0, 0))
+            all_v = jax.lax.dynamic_update_slice(past_v, v.astype(past_v.dtype), (0, index, 0, 0))
+            out = attend(q, all_k.astype(dt), all_v.astype(dt), mask)
+        out = _dense(c.hidden_size, False, "o_proj", dt, pdt)(out)
+        return out, k, v
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
+        gate = _dense(c.intermediate_size, False, "gate_proj", dt, pdt)(x)
+        up = _dense(c.intermediate_size, False, "up_proj", dt, pdt)(x)
+        hidden = sharding.constrain(nn.silu(gate) * up, sharding.MLP_HIDDEN)
+        return _dense(c.hidden_size, False, "down_proj", dt, pdt)(hidden)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x += attn(norm(x)); x += mlp(norm(x))."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask, past_k=None, past_v=None, index=None):
+        """See `Attention`; returns (x [B, S, D], k_new, v_new)."""
+        c = self.config
+        dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
+        h = RMSNorm(c.rms_norm_eps, dt, pdt, name="input_norm")(x)
+        attn_out, k, v = Attention(c, name="attn")(h, cos, sin, mask, past_k, past_v, index)
+        x = x + attn_out
+        h = RMSNorm(c.rms_norm_eps, dt, pdt, name="post_attn_norm")(x)
+        x = x + MLP(c, name="mlp")(h)
+        return sharding.constrain(x, sharding.HIDDEN), k, v

@@ -1,0 +1,316 @@
+"""Qwen2/Qwen2.5/Qwen3 causal LM applied functionally: params in, logits out.
+
+The decoder blocks are Flax modules (`layers.DecoderLayer`) whose parameters
+are stacked on a leading layer axis, one layout for both `scan_layers`
+settings: with `scan_layers=True` the stack runs under `lax.scan` (compile time
+independent of depth), otherwise it is unrolled. Each block may be
+rematerialised with a named policy (`config.remat`).
+
+Params pytree:
+  embed/embedding            [V, D]
+  layers/input_norm/scale    [L, D]
+  layers/attn/{q,k,v}_proj/{kernel [L, D, N*hd], bias [L, N*hd] if attention_bias}
+  layers/attn/{q,k}_norm/scale [L, hd] if qk_norm
+  layers/attn/o_proj/kernel  [L, H*hd, D]
+  layers/post_attn_norm/scale [L, D]
+  layers/mlp/{gate,up}_proj/kernel [L, D, F]; layers/mlp/down_proj/kernel [L, F, D]
+  final_norm/scale           [D]
+  lm_head/kernel             [D, V] unless tie_word_embeddings
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import chex
+import flax
+import jax
+import jax.numpy as jnp
+
+from seeupo_jax import sharding
+from seeupo_jax.models import layers
+from seeupo_jax.models.config import ModelConfig
+
+Params = Any
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer keys/values of the tokens seen so far.
+
+    keys:   [num_layers, B, max_len, num_kv_heads, head_dim], config.dtype (after RoPE)
+    values: [num_layers, B, max_len, num_kv_heads, head_dim], config.dtype
+    valid:  bool[B, max_len], True where the slot holds a real (non-pad) token
+    index:  int32 scalar, next slot to write (shared by all rows)
+    """
+
+    keys: jax.Array
+    values: jax.Array
+    valid: jax.Array
+    index: jax.Array
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int) -> KVCache:
+    """An empty cache (all slots invalid, index 0) in config.dtype."""
+    shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+    return KVCache(
+        keys=jnp.zeros(shape, config.dtype),
+        values=jnp.zeros(shape, config.dtype),
+        valid=jnp.zeros((batch_size, max_len), bool),
+        index=jnp.zeros((), jnp.int32),
+    )
+
+
+def init_params(config: ModelConfig, key: jax.Array) -> Params:
+    """Random parameters (normal(0.02) weights, zero biases, unit norm scales)."""
+    k_embed, k_layers, k_head = jax.random.split(key, 3)
+    pdt = jnp.dtype(config.param_dtype)
+    d = config.hidden_size
+    x = jnp.zeros((1, 1, d), config.dtype)
+    cos, sin = layers.rope_tables(jnp.zeros((1, 1), jnp.int32), config.head_dim, config.rope_theta)
+    mask = jnp.ones((1, 1), bool)
+
+    def init_layer(k):
+        return layers.DecoderLayer(config).init(k, x, cos, sin, mask)["params"]
+
+    params = {
+        "embed": {"embedding": 0.02 * jax.random.normal(k_embed, (config.vocab_size, d), pdt)},
+        "layers": jax.vmap(init_layer)(jax.random.split(k_layers, config.num_layers)),
+        "final_norm": {"scale": jnp.ones((d,), pdt)},
+    }
+    if not config.tie_word_embeddings:
+        params["lm_head"] = {
+            "kernel": 0.02 * jax.random.normal(k_head, (d, config.vocab_size), pdt)
+        }
+    return params
+
+
+def params_shape(config: ModelConfig) -> Params:
+    """ShapeDtypeStruct tree of `init_params(config, key)` (nothing allocated)."""
+    return jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))
+
+
+def _layer_fn(config: ModelConfig):
+    """(layer_params, x, cos, sin, mask, past_k, past_v, index) -> (x, k, v), remat applied."""
+    module = layers.DecoderLayer(config)
+
+    def apply_layer(layer_params, x, cos, sin, mask, past_k, past_v, index):
+        return module.apply({"params": layer_params}, x, cos, sin, mask, past_k, past_v, index)
+
+    if config.remat == "none":
+        return apply_layer
+    return jax.checkpoint(apply_layer, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
+
+
+def _run_layers(params, x, cos, sin, mask, cache: Optional[KVCache], config):
+    """Runs the decoder stack; returns (x, new keys, new values) (caches or None)."""
+    layer_fn = _layer_fn(config)
+    index = None if cache is None else cache.index
+
+    def decoder_step(carry, scanned):
+        """One block: reads this layer's cache, writes the new tokens' k/v back."""
+        x, keys, values = carry
+        layer_params, i = scanned
+        if keys is None:
+            x, _, _ = layer_fn(layer_params, x, cos, sin, mask, None, None, None)
+            return (x, None, None), None
+        past_k = jax.lax.dynamic_index_in_dim(keys, i, keepdims=False)
+        past_v = jax.lax.dynamic_index_in_dim(values, i, keepdims=False)
+        x, k, v = layer_fn(layer_params, x, cos, sin, mask, past_k, past_v, index)
+        keys = jax.lax.dynamic_update_slice(keys, k[None].astype(keys.dtype), (i, 0, index, 0, 0))
+        values = jax.lax.dynamic_update_slice(
+            values, v[None].astype(values.dtype), (i, 0, index, 0, 0)
+        )
+        return (x, keys, values), None
+
+    carry = (x, None, None) if cache is None else (x, cache.keys, cache.values)
+    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+    if config.scan_layers:
+        carry, _ = jax.lax.scan(decoder_step, carry, (params["layers"], layer_ids))
+    else:
+        for i in range(config.num_layers):
+            layer_params = jax.tree.map(lambda p, i=i: p[i], params["layers"])
+            carry, _ = decoder_step(carry, (layer_params, i))
+    return carry
+
+
+def _check_inputs(input_ids, positions, token_valid):
+    chex.assert_rank([input_ids, positions], 2)
+    chex.assert_equal_shape([input_ids, positions])
+    chex.assert_type([input_ids, positions], int)
+    if token_valid is None:
+        return jnp.ones(input_ids.shape, bool)
+    chex.assert_equal_shape([input_ids, token_valid])
+    chex.assert_type(token_valid, bool)
+    return token_valid
+
+
+def hidden_states(
+    params: Params,
+    input_ids: jax.Array,
+    positions: jax.Array,
+    token_valid: Optional[jax.Array] = None,
+    cache: Optional[KVCache] = None,
+    *,
+    config: ModelConfig,
+):
+    """Final-normed hidden states of the decoder; see `forward` for the arguments.
+
+    Returns:
+      (h [B, S, D] in config.dtype, new cache or None).
+    """
+    token_valid = _check_inputs(input_ids, positions, token_valid)
+    dt = jnp.dtype(config.dtype)
+    b, s = input_ids.shape
+    x = jnp.take(params["embed"]["embedding"], input_ids, axis=0).astype(dt)
+    x = sharding.constrain(x, sharding.HIDDEN)
+    cos, sin = layers.rope_tables(positions, config.head_dim, config.rope_theta)
+    if cache is None:
+        x, _, _ = _run_layers(params, x, cos, sin, token_valid, None, config)
+        new_cache = None
+    else:
+        chex.assert_shape(cache.valid, (b, None))
+        valid = jax.lax.dynamic_update_slice(cache.valid, token_valid, (0, cache.index))
+        slots = jnp.arange(cache.valid.shape[1])
+        query_slots = cache.index + jnp.arange(s)
+        mask = (slots[None, :] <= query_slots[:, None])[None] & valid[:, None, :]
+        x, keys, values = _run_layers(params, x, cos, sin, mask, cache, config)
+        new_cache = KVCache(keys=keys, values=values, valid=valid, index=cache.index + s)
+    norm = layers.RMSNorm(config.rms_norm_eps, dt, jnp.dtype(config.param_dtype))
+    h = norm.apply({"params": params["final_norm"]}, x)
+    return h, new_cache
+
+
+def output_kernel(params: Params, config: ModelConfig) -> jax.Array:
+    """[D, V] output projection (the embedding transposed when tied)."""
+    if config.tie_word_embeddings:
+        return params["embed"]["embedding"].T
+    return params["lm_head"]["kernel"]
+
+
+def forward(
+    params: Params,
+    input_ids: jax.Array,
+    positions: jax.Array,
+    token_valid: Optional[jax.Array] = None,
+    cache: Optional[KVCache] = None,
+    *,
+    config: ModelConfig,
+):
+    """Logits of every position.
+
+    Args:
+      params: tree from `init_params` or `checkpoint.load_params`.
+      input_ids: int32[B, S] token ids.
+      positions: int32[B, S] RoPE positions per row (left-padded prompts work).
+      token_valid: bool[B, S], False for pad tokens (None = all True). Pad tokens
+        are never attended to.
+      cache: optional `KVCache`. Without it: causal self-attention over the S
+        tokens restricted to valid keys. With it: the new k/v go to slots
+        [cache.index, cache.index + S), cache.valid there is set from
+        token_valid, and the query at slot cache.index + s attends to slots
+        j <= cache.index + s with valid[b, j].
+      config: the model's `ModelConfig` (static).
+
+    Returns:
+      (logits float32[B, S, V], new cache with index += S, or None).
+    """
+    h, new_cache = hidden_states(params, input_ids, positions, token_valid, cache, config=config)
+    w = output_kernel(params, config).astype(h.dtype)
+    logits = jnp.einsum("bsd,dv->bsv", h, w, preferred_element_type=jnp.float32)
+    return sharding.constrain(logits, sharding.LOGITS), new_cache
+
+
+def _chunk_logprobs(h, targets, w, temperature):
+    """log softmax(h @ w / temperature)[target]: h [B, C, D], targets int[B, C] -> f32[B, C]."""
+    logits = jnp.einsum("bcd,dv->bcv", h, w, preferred_element_type=jnp.float32) / temperature
+    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return target_logits - jax.nn.logsumexp(logits, axis=-1)
+
+
+def logprobs_from_hidden(
+    h: jax.Array,
+    targets: jax.Array,
+    w: jax.Array,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+) -> jax.Array:
+    """Per-token log-probs of `targets`, chunked over the sequence.
+
+    logp[b, s] = log softmax(h[b, s] @ w / temperature)[targets[b, s]]. Logits
+    exist for one chunk of `chunk_size` positions at a time, and (when there is
+    more than one chunk) the chunk is rematerialised under jax.grad, so float32
+    [B, S, V] is never held at once.
+
+    Args:
+      h: [B, S, D] final hidden states.
+      targets: int32[B, S] token ids to score.
+      w: [D, V] output projection.
+      temperature: positive float, divides the logits.
+      chunk_size: positions per chunk (S is padded up to a multiple).
+
+    Returns:
+      float32[B, S].
+    """
+    chex.assert_rank([h, targets, w], [3, 2, 2])
+    b, s, d = h.shape
+    chunk = min(chunk_size, s)
+    n_chunks = -(-s // chunk)
+    pad = n_chunks * chunk - s
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    h = h.reshape(b, n_chunks, chunk, d).swapaxes(0, 1)
+    targets = targets.reshape(b, n_chunks, chunk).swapaxes(0, 1)
+    w = w.astype(h.dtype)
+    score_chunk = functools.partial(_chunk_logprobs, temperature=temperature)
+    if n_chunks > 1:  # one chunk holds all logits anyway: recomputing them would only cost time
+        score_chunk = jax.checkpoint(score_chunk, prevent_cse=False)
+
+    def logprob_step(_, chunk_inputs):
+        """Log-probs of one chunk of positions."""
+        h_c, t_c = chunk_inputs
+        return None, score_chunk(h_c, t_c, w)
+
+    _, logp = jax.lax.scan(logprob_step, None, (h, targets))
+    return logp.swapaxes(0, 1).reshape(b, n_chunks * chunk)[:, :s]
+
+
+def token_logprobs(
+    params: Params,
+    input_ids: jax.Array,
+    targets: jax.Array,
+    positions: jax.Array,
+    token_valid: Optional[jax.Array] = None,
+    *,
+    config: ModelConfig,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+) -> jax.Array:
+    """log softmax(logits / temperature)[target] at each position (teacher forcing).
+
+    Args:
+      params, input_ids, positions, token_valid, config: as in `forward`.
+      targets: int32[B, S] ids to score at each position (usually input_ids
+        shifted left by one).
+      temperature: positive float.
+      chunk_size: positions per logits chunk; float32 [B, chunk_size, V] is the
+        largest logits buffer, also under jax.grad.
+
+    Returns:
+      float32[B, S]; values at pad positions are finite but meaningless.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    chex.assert_equal_shape([input_ids, targets])
+    h, _ = hidden_states(params, input_ids, positions, token_valid, config=config)
+    return logprobs_from_hidden(
+        h, targets, output_kernel(params, config), temperature=temperature, chunk_size=chunk_size
+    )
