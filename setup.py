@@ -24,6 +24,7 @@ setuptools.setup(
         "absl-py>=2.1,<3",
         "ml-collections>=1.0,<2",
         "numpy>=1.26,<3",
+        "ml_dtypes>=0.4",
         "transformers>=4.45,<6",
         "tokenizers>=0.20,<1",
         "safetensors>=0.4,<1",
