@@ -133,7 +133,7 @@ def main():
                         help="comma-separated torch thread counts to measure (0 = torch default)")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--sampler-scan-layers", choices=("model", "true", "false"),
-                        default="false",
+                        default="model",
                         help="SamplingConfig.scan_layers: keep the model's, or force scan/unroll")
     parser.add_argument("--bare-loop", action="store_true",
                         help="also time a bare loop of the same model steps (no sampling)")

@@ -64,10 +64,11 @@ class SamplingConfig:
             many tokens (bounds the attention buffers of long prompts); None =
             the whole prompt at once.
         scan_layers: override `ModelConfig.scan_layers` while sampling (the
-            params layout is the same either way); None keeps the model's. On
-            CPU, unrolled layers (False) made a decode step about 2x faster
-            (`benchmarks/bench_sampler.py`), at the cost of compile time that
-            grows with depth.
+            params layout is the same either way); None keeps the model's. With
+            the head-major cache, scanned layers decode faster on CPU than
+            unrolled ones (`benchmarks/bench_sampler.py --sampler-scan-layers`):
+            under the unrolled stack XLA cannot prove that every layer read the
+            cache before the one in-place write, and copies the cache each step.
     """
 
     max_new_tokens: int

@@ -109,7 +109,7 @@ def param_shardings(params: Any, mesh: Mesh) -> Any:
 
 def cache_shardings(cache: Any, mesh: Mesh) -> Any:
     """NamedSharding per field of a `KVCache` (batch over data+fsdp, kv heads over tensor)."""
-    kv = P(None, BATCH, None, "tensor", None)  # [L, B, T, K, hd]
+    kv = P(None, BATCH, "tensor", None, None)  # [L, B, K, T, hd]
     return type(cache)(
         keys=NamedSharding(mesh, fit_spec(kv, cache.keys.shape, mesh)),
         values=NamedSharding(mesh, fit_spec(kv, cache.values.shape, mesh)),

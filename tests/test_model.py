@@ -192,6 +192,25 @@ class ForwardTest(parameterized.TestCase):
             atol=1e-6,
         )
 
+    @parameterized.named_parameters(("jit", jax.jit), ("nojit", lambda f: f))
+    def test_cached_attend_equals_attend_over_past_and_new_keys(self, variant):
+        """The head-major cache and the new keys, scored apart, give `attend` over both."""
+        rng = np.random.default_rng(1)
+        b, s, t, h, kv, hd = 2, 3, 7, 6, 2, 8
+        q = jnp.asarray(rng.standard_normal((b, s, h, hd)), jnp.float32)
+        k = jnp.asarray(rng.standard_normal((b, s, kv, hd)), jnp.float32)
+        v = jnp.asarray(rng.standard_normal((b, s, kv, hd)), jnp.float32)
+        past_k = jnp.asarray(rng.standard_normal((b, kv, t, hd)), jnp.float32)
+        past_v = jnp.asarray(rng.standard_normal((b, kv, t, hd)), jnp.float32)
+        allowed = jnp.asarray(rng.random((b, s, t + s)) > 0.4)
+        all_k = jnp.concatenate([past_k.transpose(0, 2, 1, 3), k], axis=1)  # [B, T + S, K, hd]
+        all_v = jnp.concatenate([past_v.transpose(0, 2, 1, 3), v], axis=1)
+        np.testing.assert_allclose(
+            variant(layers.cached_attend)(q, k, v, past_k, past_v, allowed),
+            layers.attend(q, all_k, all_v, allowed),
+            atol=1e-6,
+        )
+
     @pytest.mark.slow
     def test_scan_unrolled_and_remat_give_same_logits_and_grads(self):
         base = config_lib.get_preset("qwen3-tiny")
@@ -265,7 +284,7 @@ class CacheTest(parameterized.TestCase):
     def test_init_cache_shapes_and_dtype(self):
         config = config_lib.get_preset("qwen3-tiny", dtype="bfloat16")
         cache = qwen.init_cache(config, 2, 7)
-        self.assertEqual(cache.keys.shape, (2, 2, 7, 2, 16))
+        self.assertEqual(cache.keys.shape, (2, 2, 2, 7, 16))  # [L, B, K, T, hd]
         self.assertEqual(cache.values.dtype, jnp.bfloat16)
         self.assertEqual(cache.valid.shape, (2, 7))
         self.assertEqual(int(cache.index), 0)

@@ -91,7 +91,7 @@ class ShardedModelTest(parameterized.TestCase):
         sharded_params = jax.device_put(params, sharding.param_shardings(params, mesh))
         sharded_cache = jax.device_put(cache, sharding.cache_shardings(cache, mesh))
         self.assertEqual(
-            sharded_cache.keys.sharding.spec, P(None, ("data", "fsdp"), None, "tensor", None)
+            sharded_cache.keys.sharding.spec, P(None, ("data", "fsdp"), "tensor", None, None)
         )
         inputs = [jax.device_put(x, batch) for x in (ids, positions, valid)]
         with jax.set_mesh(mesh):

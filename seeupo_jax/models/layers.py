@@ -159,24 +159,68 @@ def causal_attend(
     return _from_heads(jnp.concatenate(outs, axis=3))
 
 
+def cached_attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    past_k: jax.Array,
+    past_v: jax.Array,
+    allowed: jax.Array,
+) -> jax.Array:
+    """Grouped-query attention of S new tokens over T cached slots and the S new keys.
+
+    out = softmax([q past_k^T, q k^T] / sqrt(hd), masked by allowed) [past_v; v]
+    per query head, with the kv head h // G: the same result as `attend` over
+    the keys [cached slots..., new keys...], but the cache is only read (not
+    concatenated with the new keys, not transposed): the scores of the cached
+    slots and of the new keys are computed apart and share one float32 softmax.
+
+    Args:
+      q: [B, S, H, hd] queries of the new tokens (after RoPE).
+      k, v: [B, S, K, hd] keys (after RoPE) and values of the new tokens.
+      past_k, past_v: [B, K, T, hd] cached keys and values, head-major.
+      allowed: bool[B, S, T + S], True where new token s may attend to cache
+        slot t (t < T) or to new token t - T.
+
+    Returns:
+      [B, S, H * hd] in q's dtype.
+    """
+    chex.assert_rank([q, k, v, past_k, past_v, allowed], [4, 4, 4, 4, 4, 3])
+    chex.assert_equal_shape([past_k, past_v])
+    qh, kh, vh = _to_heads(q, k, v)
+    t = past_k.shape[2]
+    past_scores = jnp.einsum(
+        "bkgsd,bktd->bkgst", qh, past_k.astype(q.dtype), preferred_element_type=jnp.float32
+    )
+    new_scores = jnp.einsum("bkgsd,bktd->bkgst", qh, kh, preferred_element_type=jnp.float32)
+    scores = jnp.concatenate([past_scores, new_scores], axis=-1)
+    scores = jnp.where(allowed[:, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
+    past_out = jnp.einsum(
+        "bkgst,bktd->bkgsd", probs[..., :t].astype(q.dtype), past_v.astype(q.dtype)
+    )
+    new_out = jnp.einsum("bkgst,bktd->bkgsd", probs[..., t:].astype(q.dtype), vh)
+    return _from_heads(past_out + new_out)
+
+
 class Attention(nn.Module):
     """GQA self-attention with optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3)."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, past_k=None, past_v=None, index=None):
+    def __call__(self, x, cos, sin, mask, past_k=None, past_v=None):
         """Attention of the S new tokens over past + new keys.
 
         Args:
           x: [B, S, D] normed hidden states (compute dtype).
           cos, sin: float32[B, S, 1, hd] RoPE tables of the new tokens.
           mask: without cache, bool[B, S] key validity (causal attention over
-            the S tokens, see `causal_attend`); with cache, bool[B, S, T], True
-            where new token s may attend to cache slot t.
-          past_k, past_v: optional [B, T, K, hd] this layer's cache; the new keys
-            and values are written at slots [index, index + S) before attending.
-          index: int32 scalar, first cache slot of the new tokens.
+            the S tokens, see `causal_attend`); with cache, bool[B, S, T + S],
+            True where new token s may attend to cache slot t (t < T) or to new
+            token t - T (see `cached_attend`).
+          past_k, past_v: optional [B, K, T, hd] this layer's cache, head-major;
+            read only (the caller stores the returned k/v).
 
         Returns:
           (out [B, S, D], k [B, S, K, hd], v [B, S, K, hd]): the new tokens' keys
@@ -199,9 +243,7 @@ class Attention(nn.Module):
         if past_k is None:
             out = causal_attend(q, k, v, mask, c.attn_block_size)
         else:
-            all_k = jax.lax.dynamic_update_slice(past_k, k.astype(past_k.dtype), (0, index, 0, 0))
-            all_v = jax.lax.dynamic_update_slice(past_v, v.astype(past_v.dtype), (0, index, 0, 0))
-            out = attend(q, all_k.astype(dt), all_v.astype(dt), mask)
+            out = cached_attend(q, k, v, past_k, past_v, mask)
         out = _dense(c.hidden_size, False, "o_proj", dt, pdt)(out)
         return out, k, v
 
@@ -227,12 +269,12 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, past_k=None, past_v=None, index=None):
+    def __call__(self, x, cos, sin, mask, past_k=None, past_v=None):
         """See `Attention`; returns (x [B, S, D], k_new, v_new)."""
         c = self.config
         dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         h = RMSNorm(c.rms_norm_eps, dt, pdt, name="input_norm")(x)
-        attn_out, k, v = Attention(c, name="attn")(h, cos, sin, mask, past_k, past_v, index)
+        attn_out, k, v = Attention(c, name="attn")(h, cos, sin, mask, past_k, past_v)
         x = x + attn_out
         h = RMSNorm(c.rms_norm_eps, dt, pdt, name="post_attn_norm")(x)
         x = x + MLP(c, name="mlp")(h)

@@ -45,8 +45,11 @@ _REMAT_POLICIES = {
 class KVCache:
     """Per-layer keys/values of the tokens seen so far.
 
-    keys:   [num_layers, B, max_len, num_kv_heads, head_dim], config.dtype (after RoPE)
-    values: [num_layers, B, max_len, num_kv_heads, head_dim], config.dtype
+    Head-major (slots next to each other per kv head), so attention reads a
+    layer's cache as it is stored, with no transpose.
+
+    keys:   [num_layers, B, num_kv_heads, max_len, head_dim], config.dtype (after RoPE)
+    values: [num_layers, B, num_kv_heads, max_len, head_dim], config.dtype
     valid:  bool[B, max_len], True where the slot holds a real (non-pad) token
     index:  int32 scalar, next slot to write (shared by all rows)
     """
@@ -59,7 +62,7 @@ class KVCache:
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int) -> KVCache:
     """An empty cache (all slots invalid, index 0) in config.dtype."""
-    shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
     return KVCache(
         keys=jnp.zeros(shape, config.dtype),
         values=jnp.zeros(shape, config.dtype),
@@ -98,11 +101,11 @@ def params_shape(config: ModelConfig) -> Params:
 
 
 def _layer_fn(config: ModelConfig):
-    """(layer_params, x, cos, sin, mask, past_k, past_v, index) -> (x, k, v), remat applied."""
+    """(layer_params, x, cos, sin, mask, past_k, past_v) -> (x, k, v), remat applied."""
     module = layers.DecoderLayer(config)
 
-    def apply_layer(layer_params, x, cos, sin, mask, past_k, past_v, index):
-        return module.apply({"params": layer_params}, x, cos, sin, mask, past_k, past_v, index)
+    def apply_layer(layer_params, x, cos, sin, mask, past_k, past_v):
+        return module.apply({"params": layer_params}, x, cos, sin, mask, past_k, past_v)
 
     if config.remat == "none":
         return apply_layer
@@ -110,35 +113,37 @@ def _layer_fn(config: ModelConfig):
 
 
 def _run_layers(params, x, cos, sin, mask, cache: Optional[KVCache], config):
-    """Runs the decoder stack; returns (x, new keys, new values) (caches or None)."""
+    """Runs the decoder stack over x [B, S, D].
+
+    The cache is read only: each layer attends over its cached slots and the S
+    new tokens, and returns the new tokens' keys/values; the caller writes all
+    layers' at once (one in-place update instead of a copy of the cache per
+    layer).
+
+    Returns:
+      (x [B, S, D], new_k, new_v), new_k/new_v [L, B, S, K, hd] (None without cache).
+    """
     layer_fn = _layer_fn(config)
-    index = None if cache is None else cache.index
 
-    def decoder_step(carry, scanned):
-        """One block: reads this layer's cache, writes the new tokens' k/v back."""
-        x, keys, values = carry
-        layer_params, i = scanned
-        if keys is None:
-            x, _, _ = layer_fn(layer_params, x, cos, sin, mask, None, None, None)
-            return (x, None, None), None
-        past_k = jax.lax.dynamic_index_in_dim(keys, i, keepdims=False)
-        past_v = jax.lax.dynamic_index_in_dim(values, i, keepdims=False)
-        x, k, v = layer_fn(layer_params, x, cos, sin, mask, past_k, past_v, index)
-        keys = jax.lax.dynamic_update_slice(keys, k[None].astype(keys.dtype), (i, 0, index, 0, 0))
-        values = jax.lax.dynamic_update_slice(
-            values, v[None].astype(values.dtype), (i, 0, index, 0, 0)
-        )
-        return (x, keys, values), None
+    def decoder_step(x, layer):
+        """One block over this layer's (read-only) cache; emits the new tokens' k/v."""
+        layer_params, past_k, past_v = layer
+        x, k, v = layer_fn(layer_params, x, cos, sin, mask, past_k, past_v)
+        return x, (None if past_k is None else (k, v))
 
-    carry = (x, None, None) if cache is None else (x, cache.keys, cache.values)
-    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+    stacked = (params["layers"], None, None) if cache is None else (
+        params["layers"], cache.keys, cache.values)
     if config.scan_layers:
-        carry, _ = jax.lax.scan(decoder_step, carry, (params["layers"], layer_ids))
+        x, new_kv = jax.lax.scan(decoder_step, x, stacked)
     else:
+        per_layer = []
         for i in range(config.num_layers):
-            layer_params = jax.tree.map(lambda p, i=i: p[i], params["layers"])
-            carry, _ = decoder_step(carry, (layer_params, i))
-    return carry
+            x, kv = decoder_step(x, jax.tree.map(lambda a, i=i: a[i], stacked))
+            per_layer.append(kv)
+        new_kv = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+    if new_kv is None:
+        return x, None, None
+    return (x, *new_kv)
 
 
 def _check_inputs(input_ids, positions, token_valid):
@@ -177,12 +182,26 @@ def hidden_states(
         new_cache = None
     else:
         chex.assert_shape(cache.valid, (b, None))
-        valid = jax.lax.dynamic_update_slice(cache.valid, token_valid, (0, cache.index))
-        slots = jnp.arange(cache.valid.shape[1])
-        query_slots = cache.index + jnp.arange(s)
-        mask = (slots[None, :] <= query_slots[:, None])[None] & valid[:, None, :]
-        x, keys, values = _run_layers(params, x, cos, sin, mask, cache, config)
-        new_cache = KVCache(keys=keys, values=values, valid=valid, index=cache.index + s)
+        t = cache.valid.shape[1]
+        # New token s attends to the filled valid slots and to new tokens <= s (valid ones).
+        past = (jnp.arange(t) < cache.index)[None, :] & cache.valid  # [B, T]
+        causal = jnp.arange(s)[None, :] <= jnp.arange(s)[:, None]  # [S, S]
+        mask = jnp.concatenate(
+            [jnp.broadcast_to(past[:, None, :], (b, s, t)), causal[None] & token_valid[:, None, :]],
+            axis=2,
+        )
+        x, new_k, new_v = _run_layers(params, x, cos, sin, mask, cache, config)
+
+        def write(stack, new):  # new [L, B, S, K, hd] -> slots [index, index + S) of [L, B, K, T, hd]
+            new = new.transpose(0, 1, 3, 2, 4).astype(stack.dtype)
+            return jax.lax.dynamic_update_slice(stack, new, (0, 0, 0, cache.index, 0))
+
+        new_cache = KVCache(
+            keys=write(cache.keys, new_k),
+            values=write(cache.values, new_v),
+            valid=jax.lax.dynamic_update_slice(cache.valid, token_valid, (0, cache.index)),
+            index=cache.index + s,
+        )
     norm = layers.RMSNorm(config.rms_norm_eps, dt, jnp.dtype(config.param_dtype))
     h = norm.apply({"params": params["final_norm"]}, x)
     return h, new_cache
