@@ -44,16 +44,24 @@ from seeupo_jax.models import config as config_lib
 from seeupo_jax.models import qwen
 
 
-def make_jax_step(config, chunk_size):
-    """Jitted (params, ids) -> (loss, grads) of the mean next-token NLL."""
+def make_jax_step(config, chunk_size, splits=1):
+    """Jitted (params, ids) -> (loss, grads) of the mean next-token NLL.
 
-    def loss_fn(params, ids):
+    splits > 1 scores the batch in that many independent row groups (same loss
+    and gradient): independent chains that XLA:CPU may run on different threads.
+    """
+
+    def group_logp(params, ids):
         b, s = ids.shape
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         targets = jnp.concatenate([ids[:, 1:], ids[:, :1]], axis=1)
-        logp = qwen.token_logprobs(
+        return qwen.token_logprobs(
             params, ids, targets, positions, config=config, chunk_size=chunk_size
         )
+
+    def loss_fn(params, ids):
+        groups = jnp.split(ids, splits, axis=0)
+        logp = jnp.concatenate([group_logp(params, g) for g in groups], axis=0)
         return -jnp.mean(logp[:, :-1])
 
     return jax.jit(jax.value_and_grad(loss_fn))
@@ -107,10 +115,14 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="steps per round per framework")
     parser.add_argument("--dtype", default="float32", choices=config_lib.DTYPES)
-    parser.add_argument("--remat", default="none", choices=config_lib.REMAT_POLICIES)
+    # Defaults: the fastest configuration measured on the 2-core CPU (BENCHMARKS.md).
+    parser.add_argument("--remat", default="dots", choices=config_lib.REMAT_POLICIES)
     parser.add_argument("--no-scan", action="store_true", help="unroll the layers")
-    parser.add_argument("--attn-block", type=int, default=128, help="ModelConfig.attn_block_size")
+    parser.add_argument("--attn-block", type=int, default=64, help="ModelConfig.attn_block_size")
     parser.add_argument("--chunk", type=int, default=512, help="token_logprobs chunk_size")
+    parser.add_argument(
+        "--splits", type=int, default=1, help="score the batch as N independent row groups"
+    )
     parser.add_argument("--torch-attn", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--torch-threads", type=int, default=0)
     parser.add_argument("--no-torch", action="store_true")
@@ -147,7 +159,7 @@ def main():
         mesh = sharding.make_mesh(data=args.cpu_devices, fsdp=1, tensor=1)
         params = jax.device_put(params, sharding.param_shardings(params, mesh))
         ids = jax.device_put(ids, NamedSharding(mesh, sharding.TOKENS))
-    jax_step = make_jax_step(config, args.chunk)
+    jax_step = make_jax_step(config, args.chunk, args.splits)
     t0 = time.perf_counter()
     jax_step = jax_step.lower(params, ids).compile()
     compile_s = time.perf_counter() - t0
@@ -179,6 +191,7 @@ def main():
         "remat": args.remat,
         "scan_layers": not args.no_scan,
         "attn_block": args.attn_block,
+        "splits": args.splits,
         "device": jax.devices()[0].device_kind,
         "jax_devices": len(jax.devices()),
         "jax_compile_s": round(compile_s, 2),

@@ -85,6 +85,52 @@ def _dense(features: int, use_bias: bool, name: str, dtype, param_dtype):
     )
 
 
+class _Kernel(nn.Module):
+    """The parameters of an `nn.Dense` (same names, init and tree path), returned, not applied.
+
+    Lets a caller concatenate several projections' kernels and run them as one
+    matmul while the params tree keeps one entry per Hugging Face projection.
+    """
+
+    in_features: int
+    features: int
+    use_bias: bool
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self):
+        kernel = self.param("kernel", _INIT, (self.in_features, self.features), self.param_dtype)
+        if not self.use_bias:
+            return kernel, None
+        return kernel, self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+
+
+def _grouped_qkv(x, kernels, biases, num_kv_heads, head_dim, dtype):
+    """q, k, v projections of x as one matmul, grouped by kv head.
+
+    The q/k/v kernels [D, H*hd], [D, K*hd] x2 are viewed as [D, K, G, hd],
+    [D, K, 1, hd] x2 (query head h = kv * G + g, as in `_to_heads`) and
+    concatenated on the group axis: [D, K, G+2, hd], one dot (fewer, larger
+    matmuls thread better on a CPU) whose kv-head axis is the one tensor
+    parallelism shards, so the concatenation stays local to each shard.
+
+    Returns:
+      q [B, S, H, hd], k [B, S, K, hd], v [B, S, K, hd] in dtype.
+    """
+    d = x.shape[-1]
+    grouped = [w.reshape(d, num_kv_heads, -1, head_dim) for w in kernels]
+    g = grouped[0].shape[2]
+    w = jnp.concatenate(grouped, axis=2).astype(dtype)
+    out = jnp.einsum("bsd,dkgh->bskgh", x.astype(dtype), w)
+    if biases[0] is not None:
+        out = out + jnp.concatenate(
+            [b.reshape(num_kv_heads, -1, head_dim) for b in biases], axis=1
+        ).astype(dtype)
+    b, s = x.shape[:2]
+    q = out[:, :, :, :g].reshape(b, s, num_kv_heads * g, head_dim)
+    return q, out[:, :, :, g], out[:, :, :, g + 1]
+
+
 def _to_heads(q, k, v):
     """[B,S,H,hd], [B,T,K,hd] x2 -> scaled q [B,K,G,S,hd], k/v [B,K,T,hd] (head-major)."""
     b, s, h, hd = q.shape
@@ -228,13 +274,15 @@ class Attention(nn.Module):
         """
         c = self.config
         dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-        b, s, _ = x.shape
-        q = _dense(c.num_heads * c.head_dim, c.attention_bias, "q_proj", dt, pdt)(x)
-        k = _dense(c.num_kv_heads * c.head_dim, c.attention_bias, "k_proj", dt, pdt)(x)
-        v = _dense(c.num_kv_heads * c.head_dim, c.attention_bias, "v_proj", dt, pdt)(x)
-        q = q.reshape(b, s, c.num_heads, c.head_dim)
-        k = k.reshape(b, s, c.num_kv_heads, c.head_dim)
-        v = v.reshape(b, s, c.num_kv_heads, c.head_dim)
+        d = x.shape[-1]
+        params = [
+            _Kernel(d, n * c.head_dim, c.attention_bias, pdt, name=name)()
+            for name, n in (("q_proj", c.num_heads), ("k_proj", c.num_kv_heads),
+                            ("v_proj", c.num_kv_heads))
+        ]
+        q, k, v = _grouped_qkv(
+            x, [w for w, _ in params], [bias for _, bias in params], c.num_kv_heads, c.head_dim, dt
+        )
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, dt, pdt, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, dt, pdt, name="k_norm")(k)
@@ -257,8 +305,13 @@ class MLP(nn.Module):
     def __call__(self, x):
         c = self.config
         dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-        gate = _dense(c.intermediate_size, False, "gate_proj", dt, pdt)(x)
-        up = _dense(c.intermediate_size, False, "up_proj", dt, pdt)(x)
+        d, f = x.shape[-1], c.intermediate_size
+        # gate and up as one matmul: kernels stacked [D, 2, F] (F stays the sharded axis).
+        w = jnp.stack(
+            [_Kernel(d, f, False, pdt, name=n)()[0] for n in ("gate_proj", "up_proj")], axis=1
+        ).astype(dt)
+        gate_up = jnp.einsum("bsd,dcf->bscf", x.astype(dt), w)
+        gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
         hidden = sharding.constrain(nn.silu(gate) * up, sharding.MLP_HIDDEN)
         return _dense(c.hidden_size, False, "down_proj", dt, pdt)(hidden)
 
