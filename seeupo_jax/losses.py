@@ -324,16 +324,15 @@ def sequence_log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
   return jnp.sum((logp - old_logp) * mask, axis=-1) / jnp.maximum(tokens, 1.0)
 
 
-def _ratio_metrics(log_ratio: Array, mask: Array, clipped: Array, clip_mask: Array) -> Metrics:
-  """clip_fraction over `clip_mask`; ratio mean and k3 KL over tokens."""
+def _approx_kl(log_ratio: Array, mask: Array) -> Array:
+  """Token-mean k3 estimate of KL(π_old ‖ π_new) on π_old's samples (Schulman)."""
   safe_log_ratio = jnp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-  ratio = jnp.exp(safe_log_ratio)
-  return {
-      "clip_fraction": _masked_token_mean(clipped.astype(jnp.float32), clip_mask),
-      "ratio_mean": _masked_token_mean(ratio, mask),
-      # KL(π_old ‖ π_new) estimated on π_old's samples (Schulman's k3).
-      "approx_kl": _masked_token_mean(ratio - 1.0 - safe_log_ratio, mask),
-  }
+  return _masked_token_mean(jnp.exp(safe_log_ratio) - 1.0 - safe_log_ratio, mask)
+
+
+def _row_mean(row_values: Array, rows: Array) -> Array:
+  """Mean of [B] values over the rows where `rows` is 1.0 (0 if none)."""
+  return jnp.sum(row_values * rows) / jnp.maximum(jnp.sum(rows), 1.0)
 
 
 def _clipped_surrogate(
@@ -396,7 +395,12 @@ def token_clip_loss(
   ratio = _safe_exp(log_ratio)
   per_token, is_clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip)
   loss = aggregate(per_token, mask, agg)
-  return loss, _ratio_metrics(jax.lax.stop_gradient(log_ratio), mask, is_clipped, mask)
+  log_ratio = jax.lax.stop_gradient(log_ratio)
+  return loss, {
+      "clip_fraction": _masked_token_mean(is_clipped.astype(jnp.float32), mask),
+      "ratio_mean": _masked_token_mean(_safe_exp(log_ratio), mask),
+      "approx_kl": _approx_kl(log_ratio, mask),
+  }
 
 
 def sequence_clip_loss(
@@ -447,12 +451,14 @@ def sequence_clip_loss(
   )
   loss = aggregate(per_token, mask, agg)
   rows = _row_has_tokens(mask).astype(jnp.float32)
-  metrics = _ratio_metrics(jax.lax.stop_gradient(logp - old_logp), mask, is_clipped, mask)
-  # Row-level figures: a sequence is clipped if its (value-identical) token
-  # ratios are on the clipped branch for any of its advantages.
+  # A sequence is clipped if its (value-identical) token ratios are on the
+  # clipped branch for any of its advantages.
   row_clipped = jnp.any(is_clipped & (mask > 0), axis=-1).astype(jnp.float32)
-  metrics["clip_fraction"] = jnp.sum(row_clipped * rows) / jnp.maximum(jnp.sum(rows), 1.0)
-  metrics["ratio_mean"] = jnp.sum(jnp.exp(seq_log_ratio) * rows) / jnp.maximum(jnp.sum(rows), 1.0)
+  metrics = {
+      "clip_fraction": _row_mean(row_clipped, rows),
+      "ratio_mean": _row_mean(jnp.exp(seq_log_ratio), rows),
+      "approx_kl": _approx_kl(jax.lax.stop_gradient(logp - old_logp), mask),
+  }
   return loss, metrics
 
 
@@ -480,11 +486,12 @@ def reinforce_loss(
   logp, mask = _f32(logp), _f32(mask)
   advantages = jax.lax.stop_gradient(_broadcast_advantages(advantages, mask))
   loss = aggregate(-advantages * logp, mask, agg)
-  metrics = _ratio_metrics(
-      jnp.zeros_like(logp), mask, jnp.zeros(mask.shape, dtype=bool), mask
-  )
-  metrics["logp_mean"] = _masked_token_mean(jax.lax.stop_gradient(logp), mask)
-  return loss, metrics
+  return loss, {
+      "clip_fraction": jnp.zeros((), jnp.float32),
+      "ratio_mean": jnp.ones((), jnp.float32),
+      "approx_kl": jnp.zeros((), jnp.float32),
+      "logp_mean": _masked_token_mean(jax.lax.stop_gradient(logp), mask),
+  }
 
 
 def value_loss(

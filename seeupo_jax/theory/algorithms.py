@@ -237,14 +237,14 @@ def make_train_fn(config: ml_collections.ConfigDict,
     logp_fn = lambda theta, rows=slice(None): policies_lib.action_log_probs(
         policy, theta, rollouts.states[rows], rollouts.actions[rows])
     old_logp = jax.lax.stop_gradient(logp_fn(state.theta))
+    clip_loss = (losses.token_clip_loss if spec.update == "token_ppu" else
+                 losses.sequence_clip_loss)
 
     def _loss(theta, rows):
       if spec.update == "reinforce":
         loss, _ = losses.reinforce_loss(logp_fn(theta, rows), advantages[rows],
                                         all_turns[rows])
         return loss
-      clip_loss = (losses.token_clip_loss if spec.update == "token_ppu" else
-                   losses.sequence_clip_loss)
       loss, _ = clip_loss(logp_fn(theta, rows), old_logp[rows],
                           advantages[rows], all_turns[rows], clip_low=eps,
                           clip_high=eps)
@@ -253,8 +253,6 @@ def make_train_fn(config: ml_collections.ConfigDict,
     theta = _run_epochs(key, state.theta, _loss, lr)
     if spec.update == "reinforce":
       return state.replace(theta=theta), jnp.zeros(())
-    clip_loss = (losses.token_clip_loss if spec.update == "token_ppu" else
-                 losses.sequence_clip_loss)
     _, metrics = clip_loss(logp_fn(theta), old_logp, advantages, all_turns,
                            clip_low=eps, clip_high=eps)
     return state.replace(theta=theta), metrics["clip_fraction"]
