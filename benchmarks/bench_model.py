@@ -27,11 +27,10 @@ if "--cpu-devices" in sys.argv:  # must be set before jax is imported
         + " --xla_force_host_platform_device_count="
         + sys.argv[sys.argv.index("--cpu-devices") + 1]
     )
-if "--jax-single-thread" in sys.argv:  # must be set before jax is imported
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "")
-        + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    )
+if "--one-core" in sys.argv:  # before jax and torch start their thread pools
+    # XLA:CPU's YNNPACK dots run on their own threads whatever --xla_cpu_multi_thread_eigen
+    # says (measured: 1.9 cores busy with it off), so pin the whole process to one core.
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
 
 import jax
 import jax.numpy as jnp
@@ -115,11 +114,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="steps per round per framework")
     parser.add_argument("--dtype", default="float32", choices=config_lib.DTYPES)
-    # Defaults: the fastest configuration measured on the 2-core CPU (BENCHMARKS.md).
+    # Defaults: remat "dots" and attention blocks of 32 (fastest measured on the 2-core CPU,
+    # BENCHMARKS.md); the chunk is token_logprobs' own default.
     parser.add_argument("--remat", default="dots", choices=config_lib.REMAT_POLICIES)
     parser.add_argument("--no-scan", action="store_true", help="unroll the layers")
-    parser.add_argument("--attn-block", type=int, default=64, help="ModelConfig.attn_block_size")
-    parser.add_argument("--chunk", type=int, default=512, help="token_logprobs chunk_size")
+    parser.add_argument("--attn-block", type=int, default=32, help="ModelConfig.attn_block_size")
+    parser.add_argument("--chunk", type=int, default=256, help="token_logprobs chunk_size (its default)")
     parser.add_argument(
         "--splits", type=int, default=1, help="score the batch as N independent row groups"
     )
@@ -133,9 +133,9 @@ def main():
         help="split the CPU into N XLA devices and shard the batch over them (data parallel)",
     )
     parser.add_argument(
-        "--jax-single-thread",
+        "--one-core",
         action="store_true",
-        help="XLA CPU on one thread (pair with --torch-threads 1)",
+        help="pin the process (JAX and torch) to one CPU core; torch then uses 1 thread",
     )
     parser.add_argument("--mfu", action="store_true", help="report MFU (needs --peak-tflops)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="H100/H200 bf16 dense")
@@ -172,16 +172,22 @@ def main():
     if not args.no_torch:
         import torch
 
-        torch_step = make_torch_step(config, args.torch_attn, args.torch_threads)
+        threads = 1 if args.one_core else args.torch_threads
+        torch_step = make_torch_step(config, args.torch_attn, threads)
         ids_t = torch.tensor(ids_np, dtype=torch.long)
         torch_step(ids_t)
         run_torch = functools.partial(torch_step, ids_t)
 
     jax_times, torch_times = [], []
+    jax_cpu_s = torch_cpu_s = 0.0
     for _ in range(args.rounds):
+        cpu0 = time.process_time()
         jax_times += time_steps(run_jax, args.steps)
+        cpu1 = time.process_time()
+        jax_cpu_s += cpu1 - cpu0
         if run_torch:
             torch_times += time_steps(run_torch, args.steps)
+            torch_cpu_s += time.process_time() - cpu1
 
     result = {
         "preset": args.preset,
@@ -194,15 +200,20 @@ def main():
         "splits": args.splits,
         "device": jax.devices()[0].device_kind,
         "jax_devices": len(jax.devices()),
+        "cpu_cores": len(os.sched_getaffinity(0)),
+        "chunk": args.chunk,
         "jax_compile_s": round(compile_s, 2),
         "jax_step_s": round(statistics.median(jax_times), 4),
         "jax_tokens_per_s": round(tokens / statistics.median(jax_times), 1),
+        "jax_cores_busy": round(jax_cpu_s / sum(jax_times), 2),
+        "load_avg_1min": round(os.getloadavg()[0], 2),
     }
     if run_torch:
         result["torch_attn"] = args.torch_attn
         result["torch_threads"] = __import__("torch").get_num_threads()
         result["torch_step_s"] = round(statistics.median(torch_times), 4)
         result["torch_tokens_per_s"] = round(tokens / statistics.median(torch_times), 1)
+        result["torch_cores_busy"] = round(torch_cpu_s / sum(torch_times), 2)
         result["ratio_jax_over_torch"] = round(
             statistics.median(torch_times) / statistics.median(jax_times), 3
         )

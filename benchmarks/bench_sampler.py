@@ -11,7 +11,7 @@ median of each, the ratio ours / torch for each torch setting, and the share of
 generated ids that agree.
 
   .venv/bin/python benchmarks/bench_sampler.py            # qwen3-bench: hidden 256, 4 layers, batch 8, 128 new
-  .venv/bin/python benchmarks/bench_sampler.py --jax-single-thread --torch-threads 1   # 1 thread each
+  .venv/bin/python benchmarks/bench_sampler.py --one-core --torch-threads 1   # both pinned to one core
   .venv/bin/python benchmarks/bench_sampler.py --preset qwen3-tiny --rounds 3
   .venv/bin/python benchmarks/bench_sampler.py --no-torch --step-cache-lens 192,640,2048   # model step vs cache size
 """
@@ -26,9 +26,10 @@ import sys
 import tempfile
 import time
 
-if "--jax-single-thread" in sys.argv:  # must be set before jax is imported
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_cpu_multi_thread_eigen=false").strip()
+if "--one-core" in sys.argv:  # before jax and torch start their thread pools
+    # XLA:CPU's YNNPACK dots run on their own threads whatever --xla_cpu_multi_thread_eigen
+    # says, so pin the whole process to one core.
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
 
 import functools
 
@@ -139,15 +140,15 @@ def main():
                         help="also time a bare loop of the same model steps (no sampling)")
     parser.add_argument("--step-cache-lens", default="",
                         help="also time one model decode step at these cache lengths (e.g. 192,640)")
-    parser.add_argument("--jax-single-thread", action="store_true",
-                        help="XLA:CPU without the multi-threaded Eigen pool (set before jax starts)")
+    parser.add_argument("--one-core", action="store_true",
+                        help="pin the process (JAX and torch) to one CPU core")
     args = parser.parse_args()
 
     config = config_lib.get_preset(args.preset)
     ids, valid = make_prompts(args.batch, args.prompt, config.vocab_size)
     result = dict(preset=args.preset, batch=args.batch, prompt=args.prompt, new=args.new,
                   backend=jax.default_backend(), devices=jax.device_count(),
-                  jax_single_thread=args.jax_single_thread, os_cpus=os.cpu_count())
+                  one_core=args.one_core, cpu_cores=len(os.sched_getaffinity(0)))
 
     import torch
     default_threads = torch.get_num_threads()

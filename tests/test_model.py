@@ -192,6 +192,60 @@ class ForwardTest(parameterized.TestCase):
             atol=1e-6,
         )
 
+    @parameterized.parameters(3, 5, 16)
+    def test_causal_attend_gradient_equals_blockwise_autodiff(self, block_size):
+        """The hand-written backward pass equals autodiff of the same blockwise attention.
+
+        The reference differentiates `layers.attend` (masked softmax, plain autodiff) on each
+        query block over the keys up to the block's end. Row 1 has its first 4 keys invalid, so
+        its first queries have no allowed key (uniform average, no gradient to q or k).
+        """
+        rng = np.random.default_rng(10 + block_size)
+        b, s, h, kv, hd = 2, 13, 6, 2, 8
+        q = jnp.asarray(rng.standard_normal((b, s, h, hd)), jnp.float32)
+        k = jnp.asarray(rng.standard_normal((b, s, kv, hd)), jnp.float32)
+        v = jnp.asarray(rng.standard_normal((b, s, kv, hd)), jnp.float32)
+        valid = jnp.asarray(rng.random((b, s)) > 0.3).at[0, 0].set(True).at[1, :4].set(False)
+        cotangent = jnp.asarray(rng.standard_normal((b, s, h * hd)), jnp.float32)
+
+        def blockwise(q, k, v):
+            outs = []
+            for start in range(0, s, block_size):
+                stop = min(start + block_size, s)
+                causal = jnp.arange(stop)[None, :] <= jnp.arange(start, stop)[:, None]
+                allowed = causal[None] & valid[:, None, :stop]
+                outs.append(layers.attend(q[:, start:stop], k[:, :stop], v[:, :stop], allowed))
+            return jnp.concatenate(outs, axis=1)
+
+        def loss(fn):
+            return lambda q, k, v: jnp.sum(fn(q, k, v) * cotangent)
+
+        ours = jax.jit(jax.value_and_grad(
+            loss(lambda q, k, v: layers.causal_attend(q, k, v, valid, block_size)),
+            argnums=(0, 1, 2)))(q, k, v)
+        ref = jax.jit(jax.value_and_grad(loss(blockwise), argnums=(0, 1, 2)))(q, k, v)
+        np.testing.assert_allclose(ours[0], ref[0], rtol=1e-5)
+        for got, want, name in zip(ours[1], ref[1], "qkv"):
+            np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"d{name}")
+        # Queries with no allowed key pass no gradient to q.
+        np.testing.assert_array_equal(np.asarray(ours[1][0])[1, :4], 0.0)
+
+    def test_remat_dots_does_not_recompute_attention(self):
+        """remat="dots" keeps the attention's saved values: no dot is recomputed under grad."""
+        base = config_lib.get_preset("qwen3-tiny", attn_block_size=4)
+        params = qwen.init_params(base, jax.random.key(0))
+        ids = jnp.zeros((2, 9), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+
+        def count_dots(remat):
+            config = base.replace(remat=remat)
+            fn = lambda p: qwen.token_logprobs(p, ids, ids, positions, config=config).sum()
+            return str(jax.make_jaxpr(jax.grad(fn))(params)).count("dot_general")
+
+        none, dots, full = count_dots("none"), count_dots("dots"), count_dots("full")
+        self.assertEqual(dots, none)
+        self.assertGreater(full, none)
+
     @parameterized.named_parameters(("jit", jax.jit), ("nojit", lambda f: f))
     def test_cached_attend_equals_attend_over_past_and_new_keys(self, variant):
         """The head-major cache and the new keys, scored apart, give `attend` over both."""
@@ -318,20 +372,27 @@ class TokenLogprobsTest(parameterized.TestCase):
         ]
         np.testing.assert_allclose(np.asarray(logp)[valid], expected[valid], atol=1e-4)
 
-    def test_chunked_gradient_equals_full_logits_gradient(self):
-        config = config_lib.get_preset("qwen2-tiny")
+    @parameterized.parameters(
+        ("qwen2-tiny", 1.0, 4), ("qwen2-tiny", 0.7, 64), ("qwen3-tiny-tied", 1.3, 3)
+    )
+    def test_chunked_gradient_equals_full_logits_gradient(self, preset, temperature, chunk):
+        """The hand-written log-prob gradient equals autodiff of log_softmax of full logits."""
+        config = config_lib.get_preset(preset)
         params = random_params(config, seed=6)
         ids = jnp.asarray(np.random.default_rng(6).integers(0, 512, (2, 11)), jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(11, dtype=jnp.int32), (2, 11))
         weights = jnp.linspace(-1.0, 1.0, 22).reshape(2, 11)
 
         def chunked(p):
-            lp = qwen.token_logprobs(p, ids, ids, positions, config=config, chunk_size=4)
+            lp = qwen.token_logprobs(
+                p, ids, ids, positions, config=config, chunk_size=chunk, temperature=temperature
+            )
             return jnp.sum(weights * lp)
 
         def full(p):
             logits, _ = qwen.forward(p, ids, positions, config=config)
-            lp = jnp.take_along_axis(jax.nn.log_softmax(logits), ids[..., None], -1)[..., 0]
+            lp = jax.nn.log_softmax(logits / temperature)
+            lp = jnp.take_along_axis(lp, ids[..., None], -1)[..., 0]
             return jnp.sum(weights * lp)
 
         g_chunked = jax.jit(jax.grad(chunked))(params)

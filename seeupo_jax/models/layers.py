@@ -8,12 +8,14 @@ Parameter names follow the Hugging Face checkpoint (`q_proj`, `gate_proj`,
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from seeupo_jax.models.config import ModelConfig
 from seeupo_jax import sharding
@@ -173,6 +175,98 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.
     return _from_heads(_softmax_attention(qh, kh, vh, allowed))
 
 
+# Names of the causal attention's saved values, for remat policies (`qwen._REMAT_POLICIES`).
+ATTENTION_RESIDUALS = ("attn_out", "attn_row_max", "attn_inv_row_sum")
+
+
+def _query_blocks(s: int, block_size: int):
+    """[(start, stop)] of the query blocks of a length-s sequence."""
+    return [(start, min(start + block_size, s)) for start in range(0, s, block_size)]
+
+
+def _block_allowed(key_valid, start, stop):
+    """bool[B, 1, 1, stop - start, stop]: query s in [start, stop) may see key t (t <= s, valid)."""
+    causal = jnp.arange(stop)[None, :] <= jnp.arange(start, stop)[:, None]
+    return (causal[None] & key_valid[:, None, :stop])[:, None, None]
+
+
+def _block_scores(qh, kh, key_valid, start, stop):
+    """Masked float32 scores of query block [start, stop) over keys [0, stop): [B,K,G,c,stop]."""
+    scores = jnp.einsum(
+        "bkgsd,bktd->bkgst", qh[:, :, :, start:stop], kh[:, :, :stop],
+        preferred_element_type=jnp.float32,
+    )
+    return jnp.where(_block_allowed(key_valid, start, stop), scores, _MASKED)
+
+
+def _causal_attention_fwd(qh, kh, vh, key_valid, block_size):
+    """Forward pass of `_causal_attention`; saves out and the softmax statistics, not the scores."""
+    outs, row_maxes, inv_row_sums = [], [], []
+    for start, stop in _query_blocks(qh.shape[3], block_size):
+        scores = _block_scores(qh, kh, key_valid, start, stop)
+        row_max = jnp.max(scores, axis=-1, keepdims=True)
+        weights = jnp.exp(scores - row_max)  # unnormalised probabilities
+        inv_row_sum = 1.0 / jnp.sum(weights, axis=-1, keepdims=True)
+        out = jnp.einsum("bkgst,bktd->bkgsd", weights.astype(vh.dtype), vh[:, :, :stop])
+        outs.append(out * inv_row_sum.astype(vh.dtype))
+        row_maxes.append(row_max)
+        inv_row_sums.append(inv_row_sum)
+    out = checkpoint_name(jnp.concatenate(outs, axis=3), ATTENTION_RESIDUALS[0])
+    row_max = checkpoint_name(
+        jnp.concatenate(row_maxes, axis=3), ATTENTION_RESIDUALS[1])
+    inv_row_sum = checkpoint_name(
+        jnp.concatenate(inv_row_sums, axis=3), ATTENTION_RESIDUALS[2])
+    return out, (qh, kh, vh, key_valid, out, row_max, inv_row_sum)
+
+
+def _causal_attention_bwd(block_size, residuals, d_out):
+    """Backward pass: recomputes each block's probabilities from the saved statistics.
+
+    With P = softmax(S) (masked), O = P V and dO the cotangent of O:
+      dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dO * O)),  dQ = dS K,  dK = dS^T Q.
+    dS is zero where the mask is False (the forward replaced those scores by a
+    constant), which also covers rows with no allowed key.
+    """
+    qh, kh, vh, key_valid, out, row_max, inv_row_sum = residuals
+    s = qh.shape[3]
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+    d_qs = []
+    d_k = jnp.zeros(kh.shape, jnp.float32)
+    d_v = jnp.zeros(vh.shape, jnp.float32)
+    for start, stop in _query_blocks(s, block_size):
+        rows = slice(start, stop)
+        scores = _block_scores(qh, kh, key_valid, start, stop)
+        probs = jnp.exp(scores - row_max[:, :, :, rows]) * inv_row_sum[:, :, :, rows]
+        d_out_block = d_out[:, :, :, rows]
+        d_v_block = jnp.einsum(
+            "bkgst,bkgsd->bktd", probs.astype(vh.dtype), d_out_block,
+            preferred_element_type=jnp.float32,
+        )
+        d_probs = jnp.einsum(
+            "bkgsd,bktd->bkgst", d_out_block, vh[:, :, :stop], preferred_element_type=jnp.float32
+        )
+        d_scores = jnp.where(
+            _block_allowed(key_valid, start, stop), probs * (d_probs - delta[:, :, :, rows]), 0.0
+        ).astype(qh.dtype)
+        d_qs.append(jnp.einsum("bkgst,bktd->bkgsd", d_scores, kh[:, :, :stop]))
+        d_k_block = jnp.einsum(
+            "bkgst,bkgsd->bktd", d_scores, qh[:, :, :, rows], preferred_element_type=jnp.float32
+        )
+        pad = ((0, 0), (0, 0), (0, s - stop), (0, 0))
+        d_k = d_k + jnp.pad(d_k_block, pad)
+        d_v = d_v + jnp.pad(d_v_block, pad)
+    return jnp.concatenate(d_qs, axis=3), d_k.astype(kh.dtype), d_v.astype(vh.dtype), None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _causal_attention(qh, kh, vh, key_valid, block_size):
+    """Block-causal softmax attention, head-major; see `causal_attend`."""
+    return _causal_attention_fwd(qh, kh, vh, key_valid, block_size)[0]
+
+
+_causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
+
+
 def causal_attend(
     q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array, block_size: int
 ) -> jax.Array:
@@ -180,12 +274,20 @@ def causal_attend(
 
     Same result as `attend` with allowed[b,s,t] = (t <= s) & key_valid[b,t], but
     the queries are split into blocks of `block_size` and block i only scores
-    the keys [0, end of block i): about half the work and memory of the full
-    [S, S] score matrix, with blocks small enough to stay in cache on a CPU.
+    the keys [0, end of block i): about half the work of the full [S, S] score
+    matrix, with blocks small enough to stay in cache on a CPU.
+
+    The gradient is hand-written (flash-attention style): the forward pass
+    keeps the output and each row's softmax max and 1/sum, not the [S, S]
+    scores or probabilities, and the backward pass recomputes each block's
+    probabilities from them. Under `jax.checkpoint`, save the names in
+    `ATTENTION_RESIDUALS` to keep the forward pass from being recomputed.
 
     Args:
       q: [B, S, H, hd] queries; k, v: [B, S, K, hd] keys and values.
-      key_valid: bool[B, S], False for pad tokens (never attended to).
+      key_valid: bool[B, S], False for pad tokens (never attended to). A query
+        with no allowed key gets the uniform average of the keys up to its
+        block's end (as `attend` does), and passes no gradient to q or k.
       block_size: query block length (static).
 
     Returns:
@@ -193,16 +295,7 @@ def causal_attend(
     """
     chex.assert_rank([q, k, v, key_valid], [4, 4, 4, 2])
     qh, kh, vh = _to_heads(q, k, v)
-    s = q.shape[1]
-    outs = []
-    for start in range(0, s, block_size):
-        stop = min(start + block_size, s)
-        causal = jnp.arange(stop)[None, :] <= jnp.arange(start, stop)[:, None]
-        allowed = causal[None] & key_valid[:, None, :stop]
-        outs.append(
-            _softmax_attention(qh[:, :, :, start:stop], kh[:, :, :stop], vh[:, :, :stop], allowed)
-        )
-    return _from_heads(jnp.concatenate(outs, axis=3))
+    return _from_heads(_causal_attention(qh, kh, vh, key_valid, block_size))
 
 
 def cached_attend(

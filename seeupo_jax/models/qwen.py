@@ -34,10 +34,15 @@ from seeupo_jax.models.config import ModelConfig
 
 Params = Any
 
+_SAVE_ATTENTION = jax.checkpoint_policies.save_only_these_names(*layers.ATTENTION_RESIDUALS)
+# "dots" and "dots_no_batch" also keep the causal attention's output and softmax statistics, so
+# the backward pass does not redo the attention's forward pass (`layers.causal_attend`).
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots, _SAVE_ATTENTION),
+    "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _SAVE_ATTENTION),
 }
 
 
@@ -247,11 +252,60 @@ def forward(
     return sharding.constrain(logits, sharding.LOGITS), new_cache
 
 
-def _chunk_logprobs(h, targets, w, temperature):
-    """log softmax(h @ w / temperature)[target]: h [B, C, D], targets int[B, C] -> f32[B, C]."""
-    logits = jnp.einsum("bcd,dv->bcv", h, w, preferred_element_type=jnp.float32) / temperature
-    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return target_logits - jax.nn.logsumexp(logits, axis=-1)
+def _chunk_logits(h_c, w, temperature):
+    """h [B, C, D] @ w [D, V] / temperature -> float32 [B, C, V]."""
+    return jnp.einsum("bcd,dv->bcv", h_c, w, preferred_element_type=jnp.float32) / temperature
+
+
+def _chunked_logprobs_fwd(h, targets, w, temperature):
+    """Forward of `_chunked_logprobs`: log-probs and each row's log-normaliser, chunk by chunk."""
+
+    def logprob_step(_, chunk_inputs):
+        """Log-probs and logsumexp of one chunk of positions."""
+        h_c, t_c = chunk_inputs
+        logits = _chunk_logits(h_c, w, temperature)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target_logits = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
+        return None, (target_logits - lse, lse)
+
+    _, (logp, lse) = jax.lax.scan(logprob_step, None, (h, targets))
+    return logp, (h, targets, w, lse)
+
+
+def _chunked_logprobs_bwd(temperature, residuals, d_logp):
+    """Backward: d logp[t] / d logits = onehot(t) - softmax(logits), one chunk at a time.
+
+    With g the cotangent of logp and P = softmax(h w / T):
+      dlogits = g (onehot(target) - P) / T,  dh = dlogits w^T,  dw = sum over chunks h^T dlogits.
+    """
+    h, targets, w, lse = residuals
+    vocab = w.shape[1]
+
+    def grad_step(d_w, chunk_inputs):
+        """Adds one chunk's dw; emits its dh."""
+        h_c, t_c, lse_c, g_c = chunk_inputs
+        probs = jnp.exp(_chunk_logits(h_c, w, temperature) - lse_c[..., None])
+        onehot = jnp.arange(vocab, dtype=t_c.dtype) == t_c[..., None]
+        d_logits = (g_c / temperature)[..., None] * (onehot.astype(jnp.float32) - probs)
+        d_h = jnp.einsum("bcv,dv->bcd", d_logits.astype(w.dtype), w)
+        d_w = d_w + jnp.einsum(
+            "bcd,bcv->dv", h_c, d_logits.astype(h_c.dtype), preferred_element_type=jnp.float32
+        )
+        return d_w, d_h.astype(h_c.dtype)
+
+    d_w, d_h = jax.lax.scan(
+        grad_step, jnp.zeros(w.shape, jnp.float32), (h, targets, lse, d_logp.astype(jnp.float32))
+    )
+    return d_h, None, d_w.astype(w.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunked_logprobs(h, targets, w, temperature):
+    """log softmax(h @ w / T)[targets] per chunk: h [N, B, C, D], targets [N, B, C] -> f32 [N, B, C]."""
+    return _chunked_logprobs_fwd(h, targets, w, temperature)[0]
+
+
+_chunked_logprobs.defvjp(_chunked_logprobs_fwd, _chunked_logprobs_bwd)
 
 
 def logprobs_from_hidden(
@@ -265,9 +319,11 @@ def logprobs_from_hidden(
     """Per-token log-probs of `targets`, chunked over the sequence.
 
     logp[b, s] = log softmax(h[b, s] @ w / temperature)[targets[b, s]]. Logits
-    exist for one chunk of `chunk_size` positions at a time, and (when there is
-    more than one chunk) the chunk is rematerialised under jax.grad, so float32
-    [B, S, V] is never held at once.
+    exist for one chunk of `chunk_size` positions at a time, in the forward
+    and in the backward pass, so float32 [B, S, V] is never held at once. The
+    gradient is hand-written: the forward pass keeps only each position's
+    logsumexp; the backward pass recomputes a chunk's logits and forms
+    dlogits = g (onehot(target) - softmax) / temperature directly.
 
     Args:
       h: [B, S, D] final hidden states.
@@ -288,17 +344,7 @@ def logprobs_from_hidden(
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
     h = h.reshape(b, n_chunks, chunk, d).swapaxes(0, 1)
     targets = targets.reshape(b, n_chunks, chunk).swapaxes(0, 1)
-    w = w.astype(h.dtype)
-    score_chunk = functools.partial(_chunk_logprobs, temperature=temperature)
-    if n_chunks > 1:  # one chunk holds all logits anyway: recomputing them would only cost time
-        score_chunk = jax.checkpoint(score_chunk, prevent_cse=False)
-
-    def logprob_step(_, chunk_inputs):
-        """Log-probs of one chunk of positions."""
-        h_c, t_c = chunk_inputs
-        return None, score_chunk(h_c, t_c, w)
-
-    _, logp = jax.lax.scan(logprob_step, None, (h, targets))
+    logp = _chunked_logprobs(h, targets, w.astype(h.dtype), float(temperature))
     return logp.swapaxes(0, 1).reshape(b, n_chunks * chunk)[:, :s]
 
 
