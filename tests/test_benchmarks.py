@@ -1,0 +1,42 @@
+"""The benchmark scripts run end to end on a tiny preset (so they do not rot between sessions)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(script, *args):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no 8 simulated devices
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *args],
+        capture_output=True, text=True, env=env, timeout=600, check=True,
+    )
+    start = done.stdout.index("{")
+    return json.loads(done.stdout[start:])
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+def test_bench_model_runs_against_torch_on_two_cpu_devices():
+    result = _run("bench_model.py", "--preset", "qwen3-tiny", "--batch", "2", "--seq", "16",
+                  "--rounds", "1", "--steps", "1", "--cpu-devices", "2")
+    assert result["jax_devices"] == 2
+    assert result["jax_step_s"] > 0 and result["torch_step_s"] > 0
+    assert result["ratio_jax_over_torch"] == pytest.approx(
+        result["torch_step_s"] / result["jax_step_s"], rel=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+def test_bench_sampler_decodes_the_same_ids_as_torch():
+    result = _run("bench_sampler.py", "--preset", "qwen3-tiny", "--rounds", "1", "--new", "8",
+                  "--one-core")
+    assert result["cpu_cores"] == 1
+    assert result["ids_agree"] == 1.0  # greedy decoding, same weights: identical tokens
+    assert result["jax_tok_per_s"] > 0
