@@ -3,8 +3,9 @@
 Both models get the same config and the same batch; one step is the mean
 next-token cross-entropy and its gradient w.r.t. all parameters (ours:
 `token_logprobs` under `jax.value_and_grad`, jitted; torch: `model(ids,
-labels=ids).loss.backward()`). Rounds alternate between the two so machine
-noise hits both; the report gives the median step time of each and the ratio.
+labels=ids).loss.backward()`). Rounds alternate between the two (ABBA order) so
+machine noise hits both; the report gives the median step time of each, their
+ratio, and the ratio within each round (how many rounds each side won).
 
   .venv/bin/python benchmarks/bench_model.py                      # CPU, hidden 256, 4 layers, 8 x 512
   .venv/bin/python benchmarks/bench_model.py --mfu --preset qwen3-0.6b --dtype bfloat16 \
@@ -178,16 +179,26 @@ def main():
         torch_step(ids_t)
         run_torch = functools.partial(torch_step, ids_t)
 
-    jax_times, torch_times = [], []
-    jax_cpu_s = torch_cpu_s = 0.0
-    for _ in range(args.rounds):
-        cpu0 = time.process_time()
-        jax_times += time_steps(run_jax, args.steps)
-        cpu1 = time.process_time()
-        jax_cpu_s += cpu1 - cpu0
+    jax_times, torch_times, round_ratios = [], [], []
+    cpu_s = {"jax": 0.0, "torch": 0.0}
+    times = {"jax": jax_times, "torch": torch_times}
+    runs = {"jax": run_jax, "torch": run_torch}
+    for round_index in range(args.rounds):
+        # ABBA order: neither side always runs right after the other's allocations.
+        order = ["jax", "torch"] if round_index % 2 == 0 else ["torch", "jax"]
+        round_times = {}
+        for side in order:
+            if runs[side] is None:
+                continue
+            cpu0 = time.process_time()
+            round_times[side] = time_steps(runs[side], args.steps)
+            cpu_s[side] += time.process_time() - cpu0
+            times[side] += round_times[side]
         if run_torch:
-            torch_times += time_steps(run_torch, args.steps)
-            torch_cpu_s += time.process_time() - cpu1
+            round_ratios.append(
+                statistics.median(round_times["torch"]) / statistics.median(round_times["jax"])
+            )
+    jax_cpu_s, torch_cpu_s = cpu_s["jax"], cpu_s["torch"]
 
     result = {
         "preset": args.preset,
@@ -217,6 +228,9 @@ def main():
         result["ratio_jax_over_torch"] = round(
             statistics.median(torch_times) / statistics.median(jax_times), 3
         )
+        # Per round: torch median / jax median within that round (same machine state).
+        result["round_ratios"] = [round(r, 3) for r in round_ratios]
+        result["rounds_jax_faster"] = f"{sum(r >= 1.0 for r in round_ratios)}/{len(round_ratios)}"
     if args.mfu:
         flops = train_flops_per_token(config, args.seq) * tokens
         result["model_tflops_per_step"] = round(flops / 1e12, 3)
