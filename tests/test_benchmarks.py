@@ -45,3 +45,17 @@ def test_bench_sampler_decodes_the_same_ids_as_torch():
     assert result["cpu_cores"] == 1
     assert result["ids_agree"] == 1.0  # greedy decoding, same weights: identical tokens
     assert result["jax_tok_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_device_check_script_runs_small_on_the_cpu(tmp_path):
+    """benchmarks/device_check.sh (the prepared GPU check) runs end to end on a tiny preset."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(OUT=str(tmp_path), PY=sys.executable, PRESET="qwen3-tiny", SEQ="64", BATCH="2",
+               NEW="8", SKIP_TESTS="1")
+    done = subprocess.run(["bash", str(REPO / "benchmarks" / "device_check.sh")], cwd=REPO,
+                          capture_output=True, text=True, env=env, timeout=600)
+    log = (tmp_path / "device_check.log").read_text()
+    assert done.returncode == 0, log[-3000:]
+    assert "FAILED" not in log
+    assert log.count('"mfu"') == 2 and '"jax_tok_per_s"' in log

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU checks of the model issue as one prepared script, for a session whose task is lent a
+# device machine (its image has jax/jaxlib with CUDA, flax, chex, optax, torch, transformers,
+# safetensors, pytest: nothing to install). From the repo root there:
+#
+#   bash benchmarks/device_check.sh          # about 5 minutes on one H200; log in $OUT
+#
+# 1. MFU of forward+backward for the qwen3-0.6b preset in bf16 (8 x 2048 tokens), two attention
+#    block sizes; the peak is the H100/H200 SXM bf16 dense figure (989 TFLOP/s, datasheet).
+# 2. Decode tokens/s of the sampler on the GPU (our side only).
+# 3. The transformers parity tests on the GPU (float32 logits within 1e-4 of torch's, greedy
+#    generation token for token), which also catch TF32 matmuls sneaking into float32.
+#
+# On a CPU, `PRESET=qwen3-tiny SEQ=64 BATCH=2 NEW=8 SKIP_TESTS=1 bash benchmarks/device_check.sh`
+# runs the benchmark steps small (tests/test_benchmarks.py does so), so the script does not rot
+# between GPU sessions; TEST_PLATFORM=cpu instead of SKIP_TESTS=1 runs the tests on the CPU.
+set -uo pipefail
+OUT=${OUT:-/tmp/device_check}
+PY=${PY:-python3}
+PRESET=${PRESET:-qwen3-0.6b}
+SEQ=${SEQ:-2048}
+BATCH=${BATCH:-8}
+NEW=${NEW:-128}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+status=0
+step() {  # step NAME TIMEOUT_S COMMAND...: run, log, remember a failure, go on
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name: $*"
+  timeout "$limit" "$@" || { echo "=== $name FAILED (exit $?)"; status=1; }
+}
+{
+  date -u
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
+  step devices 60 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
+  for block in 256 512; do
+    step "mfu attn_block=$block" 240 "$PY" benchmarks/bench_model.py --preset "$PRESET" \
+      --dtype bfloat16 --remat dots --batch "$BATCH" --seq "$SEQ" --attn-block "$block" \
+      --no-torch --mfu --rounds 3 --steps 3
+  done
+  step "sampler decode" 180 "$PY" benchmarks/bench_sampler.py --preset "$PRESET" \
+    --batch "$BATCH" --new "$NEW" --rounds 3 --no-torch
+  if [ -z "${SKIP_TESTS:-}" ]; then  # tests/conftest.py defaults JAX_PLATFORMS to cpu
+    step "parity tests" 240 env JAX_PLATFORMS="${TEST_PLATFORM:-cuda}" "$PY" -m pytest -q \
+      -p no:cacheprovider -m parity tests/test_checkpoint.py tests/test_sampling_parity.py
+  fi
+  echo "=== exit status $status"
+  exit "$status"
+} 2>&1 | tee "$OUT/device_check.log"
+exit "${PIPESTATUS[0]}"
