@@ -179,17 +179,15 @@ def main():
         torch_step(ids_t)
         run_torch = functools.partial(torch_step, ids_t)
 
-    jax_times, torch_times, round_ratios = [], [], []
-    cpu_s = {"jax": 0.0, "torch": 0.0}
-    times = {"jax": jax_times, "torch": torch_times}
-    runs = {"jax": run_jax, "torch": run_torch}
+    runs = {"jax": run_jax, "torch": run_torch} if run_torch else {"jax": run_jax}
+    times = {side: [] for side in runs}  # every step's seconds
+    cpu_s = {side: 0.0 for side in runs}  # process CPU seconds
+    round_ratios = []  # torch median / ours within each round (same machine state)
     for round_index in range(args.rounds):
         # ABBA order: neither side always runs right after the other's allocations.
-        order = ["jax", "torch"] if round_index % 2 == 0 else ["torch", "jax"]
+        order = list(runs) if round_index % 2 == 0 else list(runs)[::-1]
         round_times = {}
         for side in order:
-            if runs[side] is None:
-                continue
             cpu0 = time.process_time()
             round_times[side] = time_steps(runs[side], args.steps)
             cpu_s[side] += time.process_time() - cpu0
@@ -198,7 +196,7 @@ def main():
             round_ratios.append(
                 statistics.median(round_times["torch"]) / statistics.median(round_times["jax"])
             )
-    jax_cpu_s, torch_cpu_s = cpu_s["jax"], cpu_s["torch"]
+    jax_times = times["jax"]
 
     result = {
         "preset": args.preset,
@@ -216,19 +214,19 @@ def main():
         "jax_compile_s": round(compile_s, 2),
         "jax_step_s": round(statistics.median(jax_times), 4),
         "jax_tokens_per_s": round(tokens / statistics.median(jax_times), 1),
-        "jax_cores_busy": round(jax_cpu_s / sum(jax_times), 2),
+        "jax_cores_busy": round(cpu_s["jax"] / sum(jax_times), 2),
         "load_avg_1min": round(os.getloadavg()[0], 2),
     }
     if run_torch:
         result["torch_attn"] = args.torch_attn
         result["torch_threads"] = __import__("torch").get_num_threads()
+        torch_times = times["torch"]
         result["torch_step_s"] = round(statistics.median(torch_times), 4)
         result["torch_tokens_per_s"] = round(tokens / statistics.median(torch_times), 1)
-        result["torch_cores_busy"] = round(torch_cpu_s / sum(torch_times), 2)
+        result["torch_cores_busy"] = round(cpu_s["torch"] / sum(torch_times), 2)
         result["ratio_jax_over_torch"] = round(
             statistics.median(torch_times) / statistics.median(jax_times), 3
         )
-        # Per round: torch median / jax median within that round (same machine state).
         result["round_ratios"] = [round(r, 3) for r in round_ratios]
         result["rounds_jax_faster"] = f"{sum(r >= 1.0 for r in round_ratios)}/{len(round_ratios)}"
     if args.mfu:
