@@ -58,3 +58,14 @@ def test_device_check_script_runs_small_on_the_cpu(tmp_path):
     assert done.returncode == 0, log[-3000:]
     assert "FAILED" not in log
     assert log.count('"mfu"') == 2 and '"jax_tok_per_s"' in log
+
+
+@pytest.mark.parity
+def test_bench_attention_matches_torch_gradients():
+    result = _run("bench_attention.py", "--batch", "2", "--seq", "32", "--heads", "4",
+                  "--kv-heads", "2", "--head-dim", "8", "--block", "8", "--rounds", "2",
+                  "--steps", "1")
+    assert result["max_grad_diff"] < 1e-4  # same attention and gradient as torch SDPA
+    assert result["jax_ms"] > 0 and result["torch_ms"] > 0
+    assert result["ratio_torch_over_jax"] == pytest.approx(
+        result["torch_ms"] / result["jax_ms"], rel=0.02)

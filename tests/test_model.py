@@ -373,7 +373,9 @@ class TokenLogprobsTest(parameterized.TestCase):
         np.testing.assert_allclose(np.asarray(logp)[valid], expected[valid], atol=1e-4)
 
     @parameterized.parameters(
-        ("qwen2-tiny", 1.0, 4), ("qwen2-tiny", 0.7, 64), ("qwen3-tiny-tied", 1.3, 3)
+        # 3 chunks (last padded), 1 chunk, 4 chunks, 2 chunks (a scan of one recomputed chunk).
+        ("qwen2-tiny", 1.0, 4), ("qwen2-tiny", 0.7, 64), ("qwen3-tiny-tied", 1.3, 3),
+        ("qwen3-tiny", 1.0, 6),
     )
     def test_chunked_gradient_equals_full_logits_gradient(self, preset, temperature, chunk):
         """The hand-written log-prob gradient equals autodiff of log_softmax of full logits."""
@@ -424,6 +426,25 @@ class TokenLogprobsTest(parameterized.TestCase):
         collect(jaxpr.jaxpr)
         self.assertNotEmpty(sizes)
         self.assertLessEqual(max(sizes), b * chunk * config.vocab_size)
+
+    def test_compiled_head_memory_does_not_grow_with_sequence_times_vocab(self):
+        """XLA's buffer assignment for grad of the head: temporaries grow with S only by
+        hidden-sized terms, never by [B, S, V] logits (4x the positions add 3 MiB of logits)."""
+        b, d, v, chunk = 2, 16, 4096, 8
+        chunk_logits_bytes = b * chunk * v * 4
+
+        def temp_bytes(s):
+            h = jax.ShapeDtypeStruct((b, s, d), jnp.float32)
+            w = jax.ShapeDtypeStruct((d, v), jnp.float32)
+            t = jax.ShapeDtypeStruct((b, s), jnp.int32)
+            fn = lambda h, w, t: jnp.sum(qwen.logprobs_from_hidden(h, t, w, chunk_size=chunk))
+            compiled = jax.jit(jax.grad(fn, argnums=(0, 1))).lower(h, w, t).compile()
+            return compiled.memory_analysis().temp_size_in_bytes
+
+        short, long = temp_bytes(32), temp_bytes(128)
+        self.assertLessEqual(long - short, 32 * b * (128 - 32) * d)  # hidden-sized growth only
+        self.assertLess(long - short, b * (128 - 32) * v * 4 / 8)
+        self.assertLessEqual(long, 4 * chunk_logits_bytes + 32 * b * 128 * d)
 
     def test_bad_temperature(self):
         config = config_lib.get_preset("qwen3-tiny")

@@ -257,19 +257,36 @@ def _chunk_logits(h_c, w, temperature):
     return jnp.einsum("bcd,dv->bcv", h_c, w, preferred_element_type=jnp.float32) / temperature
 
 
+def _chunk_logprobs(h_c, t_c, w, temperature):
+    """One chunk: (log-probs [B, C], logsumexp [B, C], float32 logits [B, C, V])."""
+    logits = _chunk_logits(h_c, w, temperature)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logits = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
+    return target_logits - lse, lse, logits
+
+
 def _chunked_logprobs_fwd(h, targets, w, temperature):
-    """Forward of `_chunked_logprobs`: log-probs and each row's log-normaliser, chunk by chunk."""
+    """Forward of `_chunked_logprobs`: log-probs and each row's log-normaliser, chunk by chunk.
+
+    The last chunk's logits are kept for the backward pass, which starts with
+    that chunk: they are the buffer the forward pass ends with and the backward
+    pass would otherwise recompute first, so keeping them saves one chunk's
+    logits matmul without raising the peak (one chunk's logits stay the
+    largest buffer). The other chunks keep only their logsumexp.
+    """
 
     def logprob_step(_, chunk_inputs):
         """Log-probs and logsumexp of one chunk of positions."""
-        h_c, t_c = chunk_inputs
-        logits = _chunk_logits(h_c, w, temperature)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        target_logits = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
-        return None, (target_logits - lse, lse)
+        logp_c, lse_c, _ = _chunk_logprobs(*chunk_inputs, w, temperature)
+        return None, (logp_c, lse_c)
 
-    _, (logp, lse) = jax.lax.scan(logprob_step, None, (h, targets))
-    return logp, (h, targets, w, lse)
+    last_logp, last_lse, last_logits = _chunk_logprobs(h[-1], targets[-1], w, temperature)
+    if h.shape[0] == 1:
+        return last_logp[None], (h, targets, w, last_lse[None], last_logits)
+    _, (logp, lse) = jax.lax.scan(logprob_step, None, (h[:-1], targets[:-1]))
+    logp = jnp.concatenate([logp, last_logp[None]])
+    lse = jnp.concatenate([lse, last_lse[None]])
+    return logp, (h, targets, w, lse, last_logits)
 
 
 def _chunked_logprobs_bwd(temperature, residuals, d_logp):
@@ -277,26 +294,34 @@ def _chunked_logprobs_bwd(temperature, residuals, d_logp):
 
     With g the cotangent of logp and P = softmax(h w / T):
       dlogits = g (onehot(target) - P) / T,  dh = dlogits w^T,  dw = sum over chunks h^T dlogits.
+    The last chunk uses the logits the forward pass kept; the others recompute theirs.
     """
-    h, targets, w, lse = residuals
+    h, targets, w, lse, last_logits = residuals
     vocab = w.shape[1]
+    d_logp = d_logp.astype(jnp.float32)
 
-    def grad_step(d_w, chunk_inputs):
-        """Adds one chunk's dw; emits its dh."""
-        h_c, t_c, lse_c, g_c = chunk_inputs
-        probs = jnp.exp(_chunk_logits(h_c, w, temperature) - lse_c[..., None])
+    def chunk_grads(h_c, t_c, lse_c, g_c, logits):
+        """(dw [D, V] float32, dh [B, C, D]) of one chunk from its logits."""
+        probs = jnp.exp(logits - lse_c[..., None])
         onehot = jnp.arange(vocab, dtype=t_c.dtype) == t_c[..., None]
         d_logits = (g_c / temperature)[..., None] * (onehot.astype(jnp.float32) - probs)
         d_h = jnp.einsum("bcv,dv->bcd", d_logits.astype(w.dtype), w)
-        d_w = d_w + jnp.einsum(
+        d_w = jnp.einsum(
             "bcd,bcv->dv", h_c, d_logits.astype(h_c.dtype), preferred_element_type=jnp.float32
         )
         return d_w, d_h.astype(h_c.dtype)
 
-    d_w, d_h = jax.lax.scan(
-        grad_step, jnp.zeros(w.shape, jnp.float32), (h, targets, lse, d_logp.astype(jnp.float32))
-    )
-    return d_h, None, d_w.astype(w.dtype)
+    def grad_step(d_w, chunk_inputs):
+        """Adds one chunk's dw (its logits recomputed); emits its dh."""
+        h_c, t_c, lse_c, g_c = chunk_inputs
+        d_w_c, d_h_c = chunk_grads(h_c, t_c, lse_c, g_c, _chunk_logits(h_c, w, temperature))
+        return d_w + d_w_c, d_h_c
+
+    d_w, last_d_h = chunk_grads(h[-1], targets[-1], lse[-1], d_logp[-1], last_logits)
+    if h.shape[0] == 1:
+        return last_d_h[None], None, d_w.astype(w.dtype)
+    d_w, d_h = jax.lax.scan(grad_step, d_w, (h[:-1], targets[:-1], lse[:-1], d_logp[:-1]))
+    return jnp.concatenate([d_h, last_d_h[None]]), None, d_w.astype(w.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -321,9 +346,10 @@ def logprobs_from_hidden(
     logp[b, s] = log softmax(h[b, s] @ w / temperature)[targets[b, s]]. Logits
     exist for one chunk of `chunk_size` positions at a time, in the forward
     and in the backward pass, so float32 [B, S, V] is never held at once. The
-    gradient is hand-written: the forward pass keeps only each position's
-    logsumexp; the backward pass recomputes a chunk's logits and forms
-    dlogits = g (onehot(target) - softmax) / temperature directly.
+    gradient is hand-written: the forward pass keeps each position's
+    logsumexp and the last chunk's logits (the buffer it ends with); the
+    backward pass starts from those logits, recomputes the other chunks' and
+    forms dlogits = g (onehot(target) - softmax) / temperature directly.
 
     Args:
       h: [B, S, D] final hidden states.
