@@ -270,9 +270,9 @@ def _chunked_logprobs_fwd(h, targets, w, temperature):
 
     The last chunk's logits are kept for the backward pass, which starts with
     that chunk: they are the buffer the forward pass ends with and the backward
-    pass would otherwise recompute first, so keeping them saves one chunk's
-    logits matmul without raising the peak (one chunk's logits stay the
-    largest buffer). The other chunks keep only their logsumexp.
+    pass would otherwise recompute first. That saves one chunk's logits matmul;
+    no buffer grows beyond one chunk's logits (XLA's peak holds two or three
+    of them, BENCHMARKS.md). The other chunks keep only their logsumexp.
     """
 
     def logprob_step(_, chunk_inputs):
@@ -344,8 +344,9 @@ def logprobs_from_hidden(
     """Per-token log-probs of `targets`, chunked over the sequence.
 
     logp[b, s] = log softmax(h[b, s] @ w / temperature)[targets[b, s]]. Logits
-    exist for one chunk of `chunk_size` positions at a time, in the forward
-    and in the backward pass, so float32 [B, S, V] is never held at once. The
+    are computed for one chunk of `chunk_size` positions at a time, in the
+    forward and in the backward pass: the largest buffers are float32
+    [B, chunk_size, V] (a few at once), never [B, S, V]. The
     gradient is hand-written: the forward pass keeps each position's
     logsumexp and the last chunk's logits (the buffer it ends with); the
     backward pass starts from those logits, recomputes the other chunks' and
