@@ -220,8 +220,8 @@ class TorchParityTest(parameterized.TestCase):
 
         Covers the hand-written backward passes (block-causal attention in several query blocks,
         the chunked log-prob head with its kept last chunk) and the fused q/k/v and gate/up
-        projections. torch's
-        gradients are mapped onto our tree by saving them as a checkpoint and loading it.
+        projections. torch's gradients are mapped onto our tree by saving them as a checkpoint
+        and loading it.
         """
         torch = pytest.importorskip("torch")
 
