@@ -281,9 +281,7 @@ def _chunked_logprobs_fwd(h, targets, w, temperature):
         return None, (logp_c, lse_c)
 
     last_logp, last_lse, last_logits = _chunk_logprobs(h[-1], targets[-1], w, temperature)
-    if h.shape[0] == 1:
-        return last_logp[None], (h, targets, w, last_lse[None], last_logits)
-    _, (logp, lse) = jax.lax.scan(logprob_step, None, (h[:-1], targets[:-1]))
+    _, (logp, lse) = jax.lax.scan(logprob_step, None, (h[:-1], targets[:-1]))  # may be empty
     logp = jnp.concatenate([logp, last_logp[None]])
     lse = jnp.concatenate([lse, last_lse[None]])
     return logp, (h, targets, w, lse, last_logits)
@@ -318,8 +316,6 @@ def _chunked_logprobs_bwd(temperature, residuals, d_logp):
         return d_w + d_w_c, d_h_c
 
     d_w, last_d_h = chunk_grads(h[-1], targets[-1], lse[-1], d_logp[-1], last_logits)
-    if h.shape[0] == 1:
-        return last_d_h[None], None, d_w.astype(w.dtype)
     d_w, d_h = jax.lax.scan(grad_step, d_w, (h[:-1], targets[:-1], lse[:-1], d_logp[:-1]))
     return jnp.concatenate([d_h, last_d_h[None]]), None, d_w.astype(w.dtype)
 
