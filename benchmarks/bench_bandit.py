@@ -31,13 +31,11 @@ _TURNS = flags.DEFINE_integer("num_turns", 4, "T.")
 
 def main(_):
   config = bandit_config.get_config()
-  config.update(num_seeds=_SEEDS.value, num_turns=_TURNS.value,
-                learning_rates=str(_LR.value))
+  config.update(num_seeds=_SEEDS.value, num_turns=_TURNS.value, learning_rates=str(_LR.value))
   bandits = sweep.make_instances(config, _FAMILY.value)
   _, keys = sweep._seed_keys(config)  # pylint: disable=protected-access
   lrs = jnp.array([_LR.value])
-  print(f"{jax.devices()[0].platform}, {os.cpu_count()} CPUs; "
-        f"{sweep.describe(config)}")
+  print(f"{jax.devices()[0].platform}, {os.cpu_count()} CPUs; {sweep.describe(config)}")
   print("| algorithm | family | seeds | compile s | run s | reach>=0.99J* |")
   print("|---|---|---|---|---|---|")
   for name in _ALGOS.value.split(","):
@@ -49,8 +47,9 @@ def main(_):
     curves = np.asarray(compiled(bandits, keys, lrs))
     run_s = time.perf_counter() - start
     reach = np.mean(curves[0, :, -1] >= 0.99)
-    print(f"| {name} | {_FAMILY.value} | {_SEEDS.value} | {compile_s:.1f} | "
-          f"{run_s:.1f} | {reach:.1%} |")
+    print(
+      f"| {name} | {_FAMILY.value} | {_SEEDS.value} | {compile_s:.1f} | {run_s:.1f} | {reach:.1%} |"
+    )
 
 
 if __name__ == "__main__":

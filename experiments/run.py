@@ -28,11 +28,12 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
 
 def _run_bandit(config: ml_collections.ConfigDict, workdir: str) -> None:
   from seeupo_jax.theory import sweep  # pylint: disable=g-import-not-at-top
+
   sweep.main(config, workdir)
 
 
 PROGRAMS = {
-    "bandit": _run_bandit,
+  "bandit": _run_bandit,
 }
 
 
@@ -52,24 +53,22 @@ def split_config_name(argv: list[str]) -> tuple[str, list[str]]:
     else:
       rest.append(arg)
   if not name:
-    raise UsageError(f"--config=NAME is required; allowed names: "
-                     f"{sorted(configs.CONFIGS)}")
+    raise UsageError(f"--config=NAME is required; allowed names: {sorted(configs.CONFIGS)}")
   return name, rest
 
 
-def check_overrides(config: ml_collections.ConfigDict, name: str,
-                    argv: list[str]) -> None:
+def check_overrides(config: ml_collections.ConfigDict, name: str, argv: list[str]) -> None:
   """Every `--config.a.b=...` must name an existing key of the config."""
   for arg in argv[1:]:
     if not arg.startswith("--config."):
       continue
-    path = arg[len("--config."):].split("=", 1)[0]
+    path = arg[len("--config.") :].split("=", 1)[0]
     node = config
     for part in path.split("."):
       if not isinstance(node, ml_collections.ConfigDict) or part not in node:
         raise UsageError(
-            f"unknown config key {path!r} for --config={name}; known keys: "
-            f"{sorted(config.keys())}")
+          f"unknown config key {path!r} for --config={name}; known keys: {sorted(config.keys())}"
+        )
       node = node[part]
 
 
@@ -80,8 +79,7 @@ def _main(argv: list[str]) -> None:
     raise app.UsageError("--workdir=DIR is required")
   config = flags.FLAGS.config
   if config.program not in PROGRAMS:
-    raise app.UsageError(f"config.program={config.program!r}; allowed: "
-                         f"{sorted(PROGRAMS)}")
+    raise app.UsageError(f"config.program={config.program!r}; allowed: {sorted(PROGRAMS)}")
   PROGRAMS[config.program](config, _WORKDIR.value)
 
 
@@ -94,8 +92,7 @@ def run(argv: list[str]) -> None:
   except (UsageError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  config_flags.DEFINE_config_dict("config", config, lock_config=True,
-                                  sys_argv=argv)
+  config_flags.DEFINE_config_dict("config", config, lock_config=True, sys_argv=argv)
   app.run(_main, argv=argv)
 
 

@@ -58,7 +58,7 @@ def _f32(x) -> Array:
 def _check_choice(name: str, value, allowed) -> None:
   if value not in allowed:
     raise ValueError(
-        f"{name}={value!r} is not supported; allowed values: {', '.join(map(repr, allowed))}"
+      f"{name}={value!r} is not supported; allowed values: {', '.join(map(repr, allowed))}"
     )
 
 
@@ -143,11 +143,14 @@ def _group_stats(values: Array, group_ids: Array, num_groups: int, valid: Array)
   """
   weights = valid.astype(jnp.float32)
   counts = jax.ops.segment_sum(weights, group_ids, num_segments=num_groups)
-  shift = jax.ops.segment_max(jnp.where(valid, values, -jnp.inf), group_ids,
-                              num_segments=num_groups)
+  shift = jax.ops.segment_max(
+    jnp.where(valid, values, -jnp.inf), group_ids, num_segments=num_groups
+  )
   shift = jnp.where(counts > 0, shift, 0.0)
   shifted = jnp.where(valid, values - shift[group_ids], 0.0)
-  means = jax.ops.segment_sum(shifted, group_ids, num_segments=num_groups) / jnp.maximum(counts, 1.0)
+  means = jax.ops.segment_sum(shifted, group_ids, num_segments=num_groups) / jnp.maximum(
+    counts, 1.0
+  )
   deviations = (shifted - means[group_ids]) * weights
   sq = jax.ops.segment_sum(deviations**2, group_ids, num_segments=num_groups)
   variances = sq / jnp.maximum(counts - 1.0, 1.0)
@@ -175,15 +178,15 @@ def _batch_normalise(advantages: Array, valid: Array, std_floor: float = 1e-6) -
 
 
 def grae_advantages(
-    rewards: Array,
-    group_ids: Array,
-    num_groups: int,
-    *,
-    group_std: bool = False,
-    batch_norm: bool = True,
-    clip: float | None = 3.0,
-    valid: Array | None = None,
-    eps: float = 1e-6,
+  rewards: Array,
+  group_ids: Array,
+  num_groups: int,
+  *,
+  group_std: bool = False,
+  batch_norm: bool = True,
+  clip: float | None = 3.0,
+  valid: Array | None = None,
+  eps: float = 1e-6,
 ) -> Array:
   """Group relative advantage estimation (GRAE), SeeUPO's critic-free advantage.
 
@@ -224,11 +227,11 @@ def grae_advantages(
 
 
 def rloo_advantages(
-    rewards: Array,
-    group_ids: Array,
-    num_groups: int,
-    *,
-    valid: Array | None = None,
+  rewards: Array,
+  group_ids: Array,
+  num_groups: int,
+  *,
+  valid: Array | None = None,
 ) -> Array:
   """REINFORCE leave-one-out advantages.
 
@@ -253,12 +256,12 @@ def rloo_advantages(
 
 
 def gae_advantages(
-    token_rewards: Array,
-    values: Array,
-    mask: Array,
-    *,
-    gamma: float = 1.0,
-    lam: float = 1.0,
+  token_rewards: Array,
+  values: Array,
+  mask: Array,
+  *,
+  gamma: float = 1.0,
+  lam: float = 1.0,
 ) -> tuple[Array, Array]:
   """Generalised advantage estimation over the policy's tokens (PPO baseline).
 
@@ -293,9 +296,7 @@ def gae_advantages(
 
   batch = token_rewards.shape[0]
   init = (jnp.zeros((batch,)), jnp.zeros((batch,)))
-  _, advantages = jax.lax.scan(
-      _gae_step, init, (token_rewards.T, values.T, mask.T), reverse=True
-  )
+  _, advantages = jax.lax.scan(_gae_step, init, (token_rewards.T, values.T, mask.T), reverse=True)
   advantages = advantages.T
   return advantages, (advantages + values) * mask
 
@@ -336,11 +337,11 @@ def _row_mean(row_values: Array, rows: Array) -> Array:
 
 
 def _clipped_surrogate(
-    ratio: Array,
-    advantages: Array,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
+  ratio: Array,
+  advantages: Array,
+  clip_low: float,
+  clip_high: float,
+  dual_clip: float | None,
 ) -> tuple[Array, Array]:
   """Per-element −min(ρA, clip(ρ)A) (with optional dual clip); and `clipped`."""
   unclipped = -advantages * ratio
@@ -358,15 +359,15 @@ def _clipped_surrogate(
 
 
 def token_clip_loss(
-    logp: Array,
-    old_logp: Array,
-    advantages: Array,
-    mask: Array,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    agg: Aggregation = "seq-mean-token-mean",
+  logp: Array,
+  old_logp: Array,
+  advantages: Array,
+  mask: Array,
+  *,
+  clip_low: float = 0.2,
+  clip_high: float = 0.2,
+  dual_clip: float | None = None,
+  agg: Aggregation = "seq-mean-token-mean",
 ) -> tuple[Array, Metrics]:
   """PPO/GRPO token-level clipped surrogate (the proximal update, PPU).
 
@@ -397,22 +398,22 @@ def token_clip_loss(
   loss = aggregate(per_token, mask, agg)
   log_ratio = jax.lax.stop_gradient(log_ratio)
   return loss, {
-      "clip_fraction": _masked_token_mean(is_clipped.astype(jnp.float32), mask),
-      "ratio_mean": _masked_token_mean(_safe_exp(log_ratio), mask),
-      "approx_kl": _approx_kl(log_ratio, mask),
+    "clip_fraction": _masked_token_mean(is_clipped.astype(jnp.float32), mask),
+    "ratio_mean": _masked_token_mean(_safe_exp(log_ratio), mask),
+    "approx_kl": _approx_kl(log_ratio, mask),
   }
 
 
 def sequence_clip_loss(
-    logp: Array,
-    old_logp: Array,
-    advantages: Array,
-    mask: Array,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    agg: Aggregation = "seq-mean-token-mean",
+  logp: Array,
+  old_logp: Array,
+  advantages: Array,
+  mask: Array,
+  *,
+  clip_low: float = 0.2,
+  clip_high: float = 0.2,
+  dual_clip: float | None = None,
+  agg: Aggregation = "seq-mean-token-mean",
 ) -> tuple[Array, Metrics]:
   """GSPO sequence-level clipped surrogate (SeeUPO's per-turn objective).
 
@@ -447,7 +448,7 @@ def sequence_clip_loss(
   seq_log_ratio = jnp.clip(seq_log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
   token_ratio = jnp.exp(seq_log_ratio[:, None] + logp - jax.lax.stop_gradient(logp))
   per_token, is_clipped = _clipped_surrogate(
-      token_ratio, advantages, clip_low, clip_high, dual_clip
+    token_ratio, advantages, clip_low, clip_high, dual_clip
   )
   loss = aggregate(per_token, mask, agg)
   rows = _row_has_tokens(mask).astype(jnp.float32)
@@ -455,19 +456,19 @@ def sequence_clip_loss(
   # clipped branch for any of its advantages.
   row_clipped = jnp.any(is_clipped & (mask > 0), axis=-1).astype(jnp.float32)
   metrics = {
-      "clip_fraction": _row_mean(row_clipped, rows),
-      "ratio_mean": _row_mean(jnp.exp(seq_log_ratio), rows),
-      "approx_kl": _approx_kl(jax.lax.stop_gradient(logp - old_logp), mask),
+    "clip_fraction": _row_mean(row_clipped, rows),
+    "ratio_mean": _row_mean(jnp.exp(seq_log_ratio), rows),
+    "approx_kl": _approx_kl(jax.lax.stop_gradient(logp - old_logp), mask),
   }
   return loss, metrics
 
 
 def reinforce_loss(
-    logp: Array,
-    advantages: Array,
-    mask: Array,
-    *,
-    agg: Aggregation = "seq-mean-token-mean",
+  logp: Array,
+  advantages: Array,
+  mask: Array,
+  *,
+  agg: Aggregation = "seq-mean-token-mean",
 ) -> tuple[Array, Metrics]:
   """REINFORCE (policy-gradient) loss: aggregate(−A_it logπ(y_it), mask, agg).
 
@@ -487,21 +488,21 @@ def reinforce_loss(
   advantages = jax.lax.stop_gradient(_broadcast_advantages(advantages, mask))
   loss = aggregate(-advantages * logp, mask, agg)
   return loss, {
-      "clip_fraction": jnp.zeros((), jnp.float32),
-      "ratio_mean": jnp.ones((), jnp.float32),
-      "approx_kl": jnp.zeros((), jnp.float32),
-      "logp_mean": _masked_token_mean(jax.lax.stop_gradient(logp), mask),
+    "clip_fraction": jnp.zeros((), jnp.float32),
+    "ratio_mean": jnp.ones((), jnp.float32),
+    "approx_kl": jnp.zeros((), jnp.float32),
+    "logp_mean": _masked_token_mean(jax.lax.stop_gradient(logp), mask),
   }
 
 
 def value_loss(
-    values: Array,
-    old_values: Array,
-    returns: Array,
-    mask: Array,
-    *,
-    clip: float | None = None,
-    agg: Aggregation = "token-mean",
+  values: Array,
+  old_values: Array,
+  returns: Array,
+  mask: Array,
+  *,
+  clip: float | None = None,
+  agg: Aggregation = "token-mean",
 ) -> tuple[Array, Metrics]:
   """Critic regression loss for the PPO + GAE baseline.
 
@@ -535,8 +536,8 @@ def value_loss(
     clipped = squared_clipped > squared
   loss = aggregate(per_token, mask, agg)
   return loss, {
-      "value_clip_fraction": _masked_token_mean(clipped.astype(jnp.float32), mask),
-      "value_error": _masked_token_mean(jax.lax.stop_gradient(jnp.abs(values - returns)), mask),
+    "value_clip_fraction": _masked_token_mean(clipped.astype(jnp.float32), mask),
+    "value_error": _masked_token_mean(jax.lax.stop_gradient(jnp.abs(values - returns)), mask),
   }
 
 
@@ -575,13 +576,13 @@ def kl_penalty(logp: Array, ref_logp: Array, kind: str = "low_var_kl") -> Array:
 
 
 def seeupo_correction(
-    correction: Array | None,
-    new_logp: Array,
-    old_logp: Array,
-    mask: Array,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
+  correction: Array | None,
+  new_logp: Array,
+  old_logp: Array,
+  mask: Array,
+  *,
+  clip_low: float = 0.2,
+  clip_high: float = 0.2,
 ) -> Array:
   """Updates the HAML correction factor M after one turn (virtual agent) moved.
 
@@ -617,11 +618,11 @@ def seeupo_correction(
 
 
 def update_order(
-    num_turns: int,
-    mode: str = "reverse",
-    *,
-    key: Array | None = None,
-    custom=None,
+  num_turns: int,
+  mode: str = "reverse",
+  *,
+  key: Array | None = None,
+  custom=None,
 ) -> Array:
   """The order in which the turns (virtual agents) are updated in one iteration.
 
@@ -655,6 +656,6 @@ def update_order(
   order = np.asarray(custom)
   if order.shape != (num_turns,) or sorted(order.tolist()) != list(range(num_turns)):
     raise ValueError(
-        f"custom update order {order.tolist()} is not a permutation of 0..{num_turns - 1}"
+      f"custom update order {order.tolist()} is not a permutation of 0..{num_turns - 1}"
     )
   return jnp.asarray(order, dtype=jnp.int32)

@@ -11,8 +11,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import hypothesis  # noqa: E402
 
-hypothesis.settings.register_profile(
-    "default", deadline=None, max_examples=40, print_blob=True
-)
+hypothesis.settings.register_profile("default", deadline=None, max_examples=40, print_blob=True)
 hypothesis.settings.register_profile("thorough", deadline=None, max_examples=400)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

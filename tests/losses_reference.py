@@ -90,7 +90,9 @@ def gae(token_rewards, values, mask, gamma, lam):
 
 def seq_log_ratio(logp, old_logp, mask):
   out = []
-  for lp, olp, m in zip(np.asarray(logp, np.float64), np.asarray(old_logp, np.float64), np.asarray(mask, np.float64)):
+  for lp, olp, m in zip(
+    np.asarray(logp, np.float64), np.asarray(old_logp, np.float64), np.asarray(mask, np.float64)
+  ):
     n = m.sum()
     out.append(0.0 if n == 0 else float(((lp - olp) * m).sum() / n))
   return np.array(out)
@@ -103,7 +105,9 @@ def _surrogate(ratio, adv, lo, hi, dual_clip):
   return loss
 
 
-def token_clip_loss(logp, old_logp, adv, mask, lo=0.2, hi=0.2, dual_clip=None, agg="seq-mean-token-mean"):
+def token_clip_loss(
+  logp, old_logp, adv, mask, lo=0.2, hi=0.2, dual_clip=None, agg="seq-mean-token-mean"
+):
   logp, old_logp, mask = (np.asarray(a, np.float64) for a in (logp, old_logp, mask))
   adv = np.asarray(adv, np.float64)
   if adv.ndim == 1:

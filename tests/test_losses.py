@@ -32,8 +32,7 @@ def token_batch(draw, extreme=False):
   if b > 1 and draw(st.booleans()):
     mask[rng.integers(b)] = 0.0  # a row without tokens
   advantages = rng.normal(0.0, 1.5, size=(b,))
-  return (logp.astype(np.float32), old_logp.astype(np.float32),
-          advantages.astype(np.float32), mask)
+  return (logp.astype(np.float32), old_logp.astype(np.float32), advantages.astype(np.float32), mask)
 
 
 @st.composite
@@ -70,8 +69,12 @@ def test_aggregate_hand_case():
   values = jnp.array([[1.0, 3.0, 100.0], [2.0, 0.0, 0.0], [7.0, 7.0, 7.0]])
   mask = jnp.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
   assert float(losses.aggregate(values, mask, "token-mean")) == pytest.approx(6.0 / 3)
-  assert float(losses.aggregate(values, mask, "seq-mean-token-mean")) == pytest.approx((2.0 + 2.0) / 2)
-  assert float(losses.aggregate(values, mask, "seq-mean-token-sum")) == pytest.approx((4.0 + 2.0) / 2)
+  assert float(losses.aggregate(values, mask, "seq-mean-token-mean")) == pytest.approx(
+    (2.0 + 2.0) / 2
+  )
+  assert float(losses.aggregate(values, mask, "seq-mean-token-sum")) == pytest.approx(
+    (4.0 + 2.0) / 2
+  )
   for mode in AGGS:
     assert float(losses.aggregate(values, jnp.zeros_like(mask), mode)) == 0.0
 
@@ -79,10 +82,18 @@ def test_aggregate_hand_case():
 @given(reward_batch(), st.booleans(), st.booleans(), st.sampled_from([None, 3.0, 0.5]))
 def test_grae_matches_reference(batch, group_std, batch_norm, clip):
   rewards, group_ids, num_groups, valid = batch
-  got = losses.grae_advantages(rewards, group_ids, num_groups, group_std=group_std,
-                               batch_norm=batch_norm, clip=clip, valid=valid)
-  want = ref.grae(rewards, group_ids, group_std=group_std, batch_norm=batch_norm,
-                  clip=clip, valid=valid)
+  got = losses.grae_advantages(
+    rewards,
+    group_ids,
+    num_groups,
+    group_std=group_std,
+    batch_norm=batch_norm,
+    clip=clip,
+    valid=valid,
+  )
+  want = ref.grae(
+    rewards, group_ids, group_std=group_std, batch_norm=batch_norm, clip=clip, valid=valid
+  )
   assert np.all(np.isfinite(got))
   # group_std divides by (std + 1e-6): a near-tie amplifies float32 rounding.
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
@@ -99,13 +110,18 @@ def test_grae_hand_case_and_degenerate_groups():
   np.testing.assert_allclose(normed, [2**0.5, -(2**0.5), 0, 0, 0], rtol=1e-6)
   # All-equal rewards: every advantage is exactly 0, no NaN, with any option.
   for group_std in (False, True):
-    adv = losses.grae_advantages(jnp.full(6, 0.4), jnp.array([0, 0, 0, 1, 1, 1]), 2,
-                                 group_std=group_std)
+    adv = losses.grae_advantages(
+      jnp.full(6, 0.4), jnp.array([0, 0, 0, 1, 1, 1]), 2, group_std=group_std
+    )
     np.testing.assert_array_equal(adv, np.zeros(6))
   # Padding rows get 0 and do not move any statistic.
-  padded = losses.grae_advantages(jnp.array([1.0, 0.0, 1.0, 1.0, 0.3, 50.0]),
-                                  jnp.array([0, 0, 1, 1, 2, 0]), 3, clip=None,
-                                  valid=jnp.array([True] * 5 + [False]))
+  padded = losses.grae_advantages(
+    jnp.array([1.0, 0.0, 1.0, 1.0, 0.3, 50.0]),
+    jnp.array([0, 0, 1, 1, 2, 0]),
+    3,
+    clip=None,
+    valid=jnp.array([True] * 5 + [False]),
+  )
   np.testing.assert_allclose(padded, list(np.asarray(normed)) + [0.0], rtol=1e-6)
 
 
@@ -144,14 +160,20 @@ def test_sequence_log_ratio_matches_reference(batch):
   np.testing.assert_allclose(got, ref.seq_log_ratio(logp, old_logp, mask), rtol=1e-5, atol=1e-4)
 
 
-@given(token_batch(), st.sampled_from(AGGS), st.sampled_from([None, 3.0]),
-       st.sampled_from([(0.2, 0.2), (0.2, 0.28)]), st.booleans())
+@given(
+  token_batch(),
+  st.sampled_from(AGGS),
+  st.sampled_from([None, 3.0]),
+  st.sampled_from([(0.2, 0.2), (0.2, 0.28)]),
+  st.booleans(),
+)
 def test_token_clip_loss_matches_reference(batch, agg, dual_clip, clips, token_adv):
   logp, old_logp, adv, mask = batch
   if token_adv:
     adv = adv[:, None] * np.linspace(0.5, 1.5, logp.shape[1])[None, :].astype(np.float32)
-  loss, metrics = losses.token_clip_loss(logp, old_logp, adv, mask, clip_low=clips[0],
-                                         clip_high=clips[1], dual_clip=dual_clip, agg=agg)
+  loss, metrics = losses.token_clip_loss(
+    logp, old_logp, adv, mask, clip_low=clips[0], clip_high=clips[1], dual_clip=dual_clip, agg=agg
+  )
   want = ref.token_clip_loss(logp, old_logp, adv, mask, *clips, dual_clip, agg)
   np.testing.assert_allclose(loss, want, rtol=1e-4, atol=1e-4)
   ratio = np.exp(np.clip(logp.astype(np.float64) - old_logp, -20, 20))
@@ -161,21 +183,24 @@ def test_token_clip_loss_matches_reference(batch, agg, dual_clip, clips, token_a
     outside |= (adv_tok < 0) & (ratio > dual_clip)
   want_frac = (outside * mask).sum() / max(mask.sum(), 1)
   np.testing.assert_allclose(metrics["clip_fraction"], want_frac, atol=1e-6)
-  np.testing.assert_allclose(metrics["ratio_mean"], (ratio * mask).sum() / max(mask.sum(), 1),
-                             rtol=1e-4)
+  np.testing.assert_allclose(
+    metrics["ratio_mean"], (ratio * mask).sum() / max(mask.sum(), 1), rtol=1e-4
+  )
 
 
 @given(token_batch(), st.sampled_from([None, 3.0]), st.sampled_from([(0.2, 0.2), (0.0003, 0.0004)]))
 def test_sequence_clip_loss_matches_gspo_reference(batch, dual_clip, clips):
   logp, old_logp, adv, mask = batch
-  loss, metrics = losses.sequence_clip_loss(logp, old_logp, adv, mask, clip_low=clips[0],
-                                            clip_high=clips[1], dual_clip=dual_clip)
+  loss, metrics = losses.sequence_clip_loss(
+    logp, old_logp, adv, mask, clip_low=clips[0], clip_high=clips[1], dual_clip=dual_clip
+  )
   want = ref.sequence_clip_loss(logp, old_logp, adv, mask, *clips, dual_clip)
   np.testing.assert_allclose(loss, want, rtol=1e-4, atol=1e-4)
   s = np.exp(np.clip(ref.seq_log_ratio(logp, old_logp, mask), -20, 20))
   rows = mask.sum(1) > 0
-  np.testing.assert_allclose(metrics["ratio_mean"], s[rows].mean() if rows.any() else 0.0,
-                             rtol=1e-4)
+  np.testing.assert_allclose(
+    metrics["ratio_mean"], s[rows].mean() if rows.any() else 0.0, rtol=1e-4
+  )
 
 
 @given(token_batch(), st.sampled_from(AGGS))
@@ -191,8 +216,9 @@ def test_reinforce_loss_matches_reference(batch, agg):
 def test_value_loss_matches_reference(batch, clip):
   values, old_values, returns, mask = batch[0], batch[1], batch[1] * 0.5, batch[3]
   loss, _ = losses.value_loss(values, old_values, returns, mask, clip=clip)
-  np.testing.assert_allclose(loss, ref.value_loss(values, old_values, returns, mask, clip),
-                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(
+    loss, ref.value_loss(values, old_values, returns, mask, clip), rtol=1e-4, atol=1e-5
+  )
 
 
 @given(token_batch(extreme=True), st.sampled_from(losses.KL_KINDS))
@@ -208,7 +234,9 @@ def test_kl_penalty_matches_reference(batch, kind):
 def test_seeupo_correction_matches_reference(batch, start_from_ones):
   new_logp, old_logp, _, mask = batch
   b = mask.shape[0]
-  start = np.ones(b, np.float32) if start_from_ones else np.linspace(0.85, 1.15, b).astype(np.float32)
+  start = (
+    np.ones(b, np.float32) if start_from_ones else np.linspace(0.85, 1.15, b).astype(np.float32)
+  )
   got = losses.seeupo_correction(None if start_from_ones else start, new_logp, old_logp, mask)
   want = ref.correction(start, new_logp, old_logp, mask)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -228,8 +256,10 @@ def test_update_order():
   np.testing.assert_array_equal(losses.update_order(4, "forward"), [0, 1, 2, 3])
   random_order = losses.update_order(6, "random", key=jax.random.key(3))
   assert sorted(np.asarray(random_order).tolist()) == list(range(6))
-  orders = {tuple(np.asarray(losses.update_order(4, "random", key=jax.random.key(s))).tolist())
-            for s in range(20)}
+  orders = {
+    tuple(np.asarray(losses.update_order(4, "random", key=jax.random.key(s))).tolist())
+    for s in range(20)
+  }
   assert len(orders) > 5  # actually random, not a fixed order
   np.testing.assert_array_equal(losses.update_order(3, "custom", custom=[1, 2, 0]), [1, 2, 0])
   with pytest.raises(ValueError, match="not a permutation"):
@@ -279,13 +309,17 @@ def test_token_clip_loss_gradient_is_analytic(batch):
 @given(token_batch())
 def test_sequence_clip_loss_gradient_is_gspo(batch):
   logp, old_logp, adv, mask = batch
-  grad = np.asarray(jax.grad(lambda lp: losses.sequence_clip_loss(lp, old_logp, adv, mask)[0])(logp))
+  grad = np.asarray(
+    jax.grad(lambda lp: losses.sequence_clip_loss(lp, old_logp, adv, mask)[0])(logp)
+  )
   s = np.exp(ref.seq_log_ratio(logp, old_logp, mask))
   clipped = ((adv > 0) & (s > 1.2)) | ((adv < 0) & (s < 0.8))
   n = mask.sum(1)
   rows = max((n > 0).sum(), 1)
   # d/dlogp_it of -(1/|R|) Σ_i s_i A_i = -A_i s_i m_it / (n_i |R|); zero for clipped rows.
-  want = np.where(clipped[:, None], 0.0, -(adv * s)[:, None] * mask / np.maximum(n, 1)[:, None] / rows)
+  want = np.where(
+    clipped[:, None], 0.0, -(adv * s)[:, None] * mask / np.maximum(n, 1)[:, None] / rows
+  )
   np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-6)
   assert np.all(grad[clipped] == 0.0)
 
@@ -296,16 +330,21 @@ def test_sequence_clip_loss_gradient_matches_finite_differences():
   logp = old_logp + rng.normal(0, 0.1, size=(4, 6))
   mask = (rng.random((4, 6)) < 0.8).astype(np.float64)
   adv = np.array([1.0, -0.5, 2.0, -1.5])
-  grad = np.asarray(jax.grad(lambda lp: losses.sequence_clip_loss(
-      lp, old_logp.astype(np.float32), adv, mask)[0])(logp.astype(np.float32)))
+  grad = np.asarray(
+    jax.grad(lambda lp: losses.sequence_clip_loss(lp, old_logp.astype(np.float32), adv, mask)[0])(
+      logp.astype(np.float32)
+    )
+  )
   eps = 1e-6
   numeric = np.zeros_like(logp)
   for idx in np.ndindex(*logp.shape):
     up, down = logp.copy(), logp.copy()
     up[idx] += eps
     down[idx] -= eps
-    numeric[idx] = (ref.sequence_clip_loss(up, old_logp, adv, mask)
-                    - ref.sequence_clip_loss(down, old_logp, adv, mask)) / (2 * eps)
+    numeric[idx] = (
+      ref.sequence_clip_loss(up, old_logp, adv, mask)
+      - ref.sequence_clip_loss(down, old_logp, adv, mask)
+    ) / (2 * eps)
   np.testing.assert_allclose(grad, numeric, rtol=1e-3, atol=1e-5)
 
 
@@ -365,19 +404,30 @@ def test_permuting_rows_permutes_outputs(tokens, rewards_batch, seed):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   m = np.linspace(0.8, 1.2, logp.shape[0]).astype(np.float32)
   np.testing.assert_allclose(
-      np.asarray(losses.seeupo_correction(m, logp, old_logp, mask))[perm],
-      losses.seeupo_correction(m[perm], logp[perm], old_logp[perm], mask[perm]), rtol=1e-6)
+    np.asarray(losses.seeupo_correction(m, logp, old_logp, mask))[perm],
+    losses.seeupo_correction(m[perm], logp[perm], old_logp[perm], mask[perm]),
+    rtol=1e-6,
+  )
   np.testing.assert_allclose(
-      np.asarray(losses.sequence_log_ratio(logp, old_logp, mask))[perm],
-      losses.sequence_log_ratio(logp[perm], old_logp[perm], mask[perm]), rtol=1e-6, atol=1e-7)
+    np.asarray(losses.sequence_log_ratio(logp, old_logp, mask))[perm],
+    losses.sequence_log_ratio(logp[perm], old_logp[perm], mask[perm]),
+    rtol=1e-6,
+    atol=1e-7,
+  )
   rewards, group_ids, num_groups, valid = rewards_batch
   perm = np.random.default_rng(seed).permutation(len(rewards))
   valid_p = None if valid is None else valid[perm]
-  for fn in (functools.partial(losses.grae_advantages, group_std=True), losses.grae_advantages,
-             losses.rloo_advantages):
+  for fn in (
+    functools.partial(losses.grae_advantages, group_std=True),
+    losses.grae_advantages,
+    losses.rloo_advantages,
+  ):
     np.testing.assert_allclose(
-        np.asarray(fn(rewards, group_ids, num_groups, valid=valid))[perm],
-        fn(rewards[perm], group_ids[perm], num_groups, valid=valid_p), rtol=1e-5, atol=1e-5)
+      np.asarray(fn(rewards, group_ids, num_groups, valid=valid))[perm],
+      fn(rewards[perm], group_ids[perm], num_groups, valid=valid_p),
+      rtol=1e-5,
+      atol=1e-5,
+    )
 
 
 def test_everything_runs_under_jit_and_vmap():
@@ -405,11 +455,13 @@ def test_everything_runs_under_jit_and_vmap():
   eager = [one_seed(*(a[s] for a in args)) for s in range(seeds)]
   for batched in (jax.vmap(one_seed)(*args), jax.jit(jax.vmap(one_seed))(*args)):
     for s in range(seeds):
-      chex.assert_trees_all_close(jax.tree.map(lambda x: x[s], batched), eager[s],
-                                  rtol=1e-5, atol=1e-6)
+      chex.assert_trees_all_close(
+        jax.tree.map(lambda x: x[s], batched), eager[s], rtol=1e-5, atol=1e-6
+      )
   # grad under jit and vmap too.
-  grad_fn = jax.jit(jax.vmap(jax.grad(
-      lambda lp, olp, a, m: losses.sequence_clip_loss(lp, olp, a, m)[0])))
+  grad_fn = jax.jit(
+    jax.vmap(jax.grad(lambda lp, olp, a, m: losses.sequence_clip_loss(lp, olp, a, m)[0]))
+  )
   grads = grad_fn(logp, old_logp, rewards, mask)
   assert grads.shape == logp.shape and np.all(np.isfinite(grads))
   order = jax.jit(lambda k: losses.update_order(4, "random", key=k))(jax.random.key(0))

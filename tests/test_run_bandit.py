@@ -16,15 +16,21 @@ _RUN = os.path.join(_ROOT, "experiments", "run.py")
 
 def _run(*args):
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  return subprocess.run([sys.executable, _RUN, *args], capture_output=True,
-                        text=True, env=env, cwd=_ROOT, timeout=300)
+  return subprocess.run(
+    [sys.executable, _RUN, *args], capture_output=True, text=True, env=env, cwd=_ROOT, timeout=300
+  )
 
 
 def test_run_prints_table_and_writes_plots(tmp_path):
-  proc = _run("--config=bandit", f"--workdir={tmp_path}",
-              "--config.num_seeds=4", "--config.num_iterations=5",
-              "--config.algorithms=seeupo,grpo", "--config.families=random",
-              "--config.learning_rates=1,3")
+  proc = _run(
+    "--config=bandit",
+    f"--workdir={tmp_path}",
+    "--config.num_seeds=4",
+    "--config.num_iterations=5",
+    "--config.algorithms=seeupo,grpo",
+    "--config.families=random",
+    "--config.learning_rates=1,3",
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "| seeupo | random |" in proc.stdout
   assert "| grpo | random |" in proc.stdout
@@ -43,16 +49,16 @@ def test_unknown_config_name_lists_allowed(tmp_path):
 
 
 def test_unknown_override_names_the_key(tmp_path):
-  proc = _run("--config=bandit", f"--workdir={tmp_path}",
-              "--config.num_sedes=3")
+  proc = _run("--config=bandit", f"--workdir={tmp_path}", "--config.num_sedes=3")
   assert proc.returncode != 0
   assert "unknown config key 'num_sedes'" in proc.stderr
 
 
 def test_table_is_reproducible_from_the_seed():
   config = bandit_config.get_config()
-  config.update(num_seeds=6, num_iterations=8, algorithms="seeupo",
-                families="trap", learning_rates="1,3")
+  config.update(
+    num_seeds=6, num_iterations=8, algorithms="seeupo", families="trap", learning_rates="1,3"
+  )
   quiet = lambda *_: None
   first = sweep.table(sweep.run_sweep(config, log=quiet))
   again = sweep.table(sweep.run_sweep(config, log=quiet))

@@ -26,8 +26,7 @@ def test_seeupo_reaches_optimum_on_random_instances():
   config = _config(num_turns=3, num_seeds=100, learning_rates="3")
   bandits = sweep.make_instances(config, "random")
   _, keys = sweep._seed_keys(config)  # pylint: disable=protected-access
-  curves = np.asarray(sweep.make_setting_fn(config, "seeupo")(
-      bandits, keys, jnp.array([3.0])))[0]
+  curves = np.asarray(sweep.make_setting_fn(config, "seeupo")(bandits, keys, jnp.array([3.0])))[0]
   final = curves[:, -1]
   # J* is the global optimum, so no run can exceed it.
   assert final.max() <= 1.0 + 1e-5
@@ -36,11 +35,11 @@ def test_seeupo_reaches_optimum_on_random_instances():
 
 def _one_run(algorithm, **overrides):
   config = _config(num_iterations=15, **overrides)
-  enum = bandit_lib.enumerate_bandit(config.num_contexts, config.num_actions,
-                                     config.num_turns)
+  enum = bandit_lib.enumerate_bandit(config.num_contexts, config.num_actions, config.num_turns)
   policy = policies.get_policy(config.policy, enum)
-  train = jax.jit(algorithms.make_train_fn(
-      config, enum, policy, algorithms.get_algorithm(algorithm)))
+  train = jax.jit(
+    algorithms.make_train_fn(config, enum, policy, algorithms.get_algorithm(algorithm))
+  )
   bandit = instances.random_instance(jax.random.PRNGKey(0), 3, 2, 3)
   return train(jax.random.PRNGKey(1), bandit, jnp.float32(10.0)), bandit
 
@@ -54,9 +53,10 @@ def short_curves():
   config = _config(**_SHORT)
   bandits = sweep.make_instances(config, "random")
   _, keys = sweep._seed_keys(config)  # pylint: disable=protected-access
-  return {name: np.asarray(sweep.make_setting_fn(config, name)(
-      bandits, keys, jnp.array([10.0])))[0]
-          for name in sorted(algorithms.ALGORITHMS)}, bandits
+  return {
+    name: np.asarray(sweep.make_setting_fn(config, name)(bandits, keys, jnp.array([10.0])))[0]
+    for name in sorted(algorithms.ALGORITHMS)
+  }, bandits
 
 
 @pytest.mark.slow  # the fixture compiles all 11 algorithms (~60 s)
@@ -80,8 +80,7 @@ def test_correction_and_order_change_the_result(short_curves):
 
 
 def test_clipping_acts_with_several_steps_per_turn():
-  out, _ = _one_run("seeupo", num_turns=3, epochs_per_turn=4,
-                    minibatches_per_turn=2)
+  out, _ = _one_run("seeupo", num_turns=3, epochs_per_turn=4, minibatches_per_turn=2)
   assert float(np.max(out.clip_fraction)) > 0.0
 
 
@@ -130,7 +129,7 @@ def _numpy_seeupo_iteration(rollouts, num_states, k, t_, lr, gamma, order):
     old = log_pi()[states[:, t], actions[:, t]]
     probs = np.exp(log_pi())
     grad = np.zeros_like(logits)
-    weight = adv * correction * gamma**(t_ - 1 - t)
+    weight = adv * correction * gamma ** (t_ - 1 - t)
     for i in range(b):
       s, a = states[i, t], actions[i, t]
       grad[s] -= weight[i] * (np.eye(k)[a] - probs[s]) / b
@@ -141,26 +140,25 @@ def _numpy_seeupo_iteration(rollouts, num_states, k, t_, lr, gamma, order):
   return log_pi()
 
 
-@pytest.mark.parametrize("algorithm,gamma,order", [
-    ("seeupo", 1.0, (2, 1, 0)), ("seeupo", 0.5, (2, 1, 0)),
-    ("seeupo_forward", 1.0, (0, 1, 2))])
+@pytest.mark.parametrize(
+  "algorithm,gamma,order",
+  [("seeupo", 1.0, (2, 1, 0)), ("seeupo", 0.5, (2, 1, 0)), ("seeupo_forward", 1.0, (0, 1, 2))],
+)
 def test_one_seeupo_iteration_matches_numpy(algorithm, gamma, order):
-  config = _config(num_turns=3, num_iterations=1, epochs_per_turn=1,
-                   minibatches_per_turn=1, gamma=gamma)
+  config = _config(
+    num_turns=3, num_iterations=1, epochs_per_turn=1, minibatches_per_turn=1, gamma=gamma
+  )
   enum = bandit_lib.enumerate_bandit(3, 2, 3)
   policy = policies.tabular_policy(enum)
-  train = algorithms.make_train_fn(config, enum, policy,
-                                   algorithms.get_algorithm(algorithm))
+  train = algorithms.make_train_fn(config, enum, policy, algorithms.get_algorithm(algorithm))
   bandit = instances.random_instance(jax.random.PRNGKey(4), 3, 2, 3)
   key, lr = jax.random.PRNGKey(5), 30.0  # large lr: M is clipped for some rows
   out = train(key, bandit, jnp.float32(lr))
   # The rollouts of iteration 0, drawn with the same keys as `train`.
   key_sample, _ = jax.random.split(jax.random.split(key, 1)[0])
   uniform = policies.log_policy(policy, policies.init_params(policy))
-  rollouts = bandit_lib.sample_rollouts(key_sample, bandit, enum, uniform,
-                                        config.group_size)
-  want_log_pi = _numpy_seeupo_iteration(rollouts, enum.num_states, 2, 3, lr,
-                                        gamma, order)
+  rollouts = bandit_lib.sample_rollouts(key_sample, bandit, enum, uniform, config.group_size)
+  want_log_pi = _numpy_seeupo_iteration(rollouts, enum.num_states, 2, 3, lr, gamma, order)
   want = bandit_lib.expected_return(bandit, enum, jnp.asarray(want_log_pi))
   np.testing.assert_allclose(out.returns[1], want, rtol=1e-5)
   assert not np.isclose(float(out.returns[1]), float(out.returns[0]))

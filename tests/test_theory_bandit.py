@@ -35,19 +35,19 @@ def test_expected_return_matches_explicit_loop(x_, k, t_):
   enum = bandit_lib.enumerate_bandit(x_, k, t_)
   key_r, key_p = jax.random.split(jax.random.PRNGKey(x_ * 100 + k * 10 + t_))
   bandit = instances.random_instance(key_r, x_, k, t_)
-  bandit = bandit.replace(context_probs=jnp.arange(1.0, x_ + 1) /
-                          sum(range(1, x_ + 1)))
+  bandit = bandit.replace(context_probs=jnp.arange(1.0, x_ + 1) / sum(range(1, x_ + 1)))
   log_pi = np.asarray(_random_log_pi(key_p, enum))
   per_context = sum(k**u for u in range(t_))
 
   def policy_fn(x, prefix):
     t = len(prefix)
-    idx = sum(a * k**(t - 1 - u) for u, a in enumerate(prefix))
+    idx = sum(a * k ** (t - 1 - u) for u, a in enumerate(prefix))
     state = x * per_context + sum(k**u for u in range(t)) + idx
     return np.exp(log_pi[state])
 
-  want = _numpy_return(np.asarray(bandit.rewards),
-                       np.asarray(bandit.context_probs), policy_fn, k, t_)
+  want = _numpy_return(
+    np.asarray(bandit.rewards), np.asarray(bandit.context_probs), policy_fn, k, t_
+  )
   got = bandit_lib.expected_return(bandit, enum, jnp.asarray(log_pi))
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
@@ -91,8 +91,7 @@ def _brute_force_optimum(rewards, context_probs, k, t_):
   """max over every deterministic policy (a choice per state), by loops."""
   best_total = 0.0
   for x in range(rewards.shape[0]):
-    states = [p for t in range(t_) for p in itertools.product(range(k),
-                                                              repeat=t)]
+    states = [p for t in range(t_) for p in itertools.product(range(k), repeat=t)]
     best = -np.inf
     for choice in itertools.product(range(k), repeat=len(states)):
       table = dict(zip(states, choice))
@@ -108,19 +107,14 @@ def _brute_force_optimum(rewards, context_probs, k, t_):
 @pytest.mark.parametrize("x_,k,t_", [(2, 2, 2), (2, 3, 2), (2, 2, 3)])
 def test_optimum_equals_brute_force(family, x_, k, t_):
   enum = bandit_lib.enumerate_bandit(x_, k, t_)
-  bandit = instances.get_family(family)(jax.random.PRNGKey(k + t_), x_, k,
-                                        t_)
-  want = _brute_force_optimum(np.asarray(bandit.rewards),
-                              np.asarray(bandit.context_probs), k, t_)
-  np.testing.assert_allclose(bandit_lib.optimal_return(bandit), want,
-                             rtol=1e-6)
+  bandit = instances.get_family(family)(jax.random.PRNGKey(k + t_), x_, k, t_)
+  want = _brute_force_optimum(np.asarray(bandit.rewards), np.asarray(bandit.context_probs), k, t_)
+  np.testing.assert_allclose(bandit_lib.optimal_return(bandit), want, rtol=1e-6)
   # The backward-induction policy attains it, and no random policy beats it.
   log_opt = bandit_lib.optimal_log_policy(bandit, enum)
-  np.testing.assert_allclose(
-      bandit_lib.expected_return(bandit, enum, log_opt), want, rtol=1e-5)
+  np.testing.assert_allclose(bandit_lib.expected_return(bandit, enum, log_opt), want, rtol=1e-5)
   for seed in range(5):
-    j = bandit_lib.expected_return(
-        bandit, enum, _random_log_pi(jax.random.PRNGKey(seed), enum))
+    j = bandit_lib.expected_return(bandit, enum, _random_log_pi(jax.random.PRNGKey(seed), enum))
     assert float(j) <= want + 1e-6
 
 
@@ -154,7 +148,7 @@ def test_trap_and_decoy_rewards_by_hand():
   one = instances.trap_instance(jax.random.PRNGKey(3), 1, k, t_)
   r = np.asarray(one.rewards[0]).reshape(k, k * k)
   key_first = int(np.argmax(r.max(1)))
-  assert r[key_first].mean() == pytest.approx(1.0 / k**(t_ - 1))
+  assert r[key_first].mean() == pytest.approx(1.0 / k ** (t_ - 1))
   assert all(r[a].mean() > 0.5 for a in range(k) if a != key_first)
 
 

@@ -7,11 +7,13 @@ from seeupo_jax.theory import report
 
 
 def test_summarise_by_hand():
-  curves = np.array([
-      [0.5, 0.96, 0.95, 1.0],   # reaches; one drop; 0.95 at iteration 1
-      [0.5, 0.6, 0.94, 0.97],   # misses 0.99; 0.95 at iteration 3
-      [0.5, 0.5, 0.5, 0.5],     # never gets to 0.95; no drop (flat)
-  ])
+  curves = np.array(
+    [
+      [0.5, 0.96, 0.95, 1.0],  # reaches; one drop; 0.95 at iteration 1
+      [0.5, 0.6, 0.94, 0.97],  # misses 0.99; 0.95 at iteration 3
+      [0.5, 0.5, 0.5, 0.5],  # never gets to 0.95; no drop (flat)
+    ]
+  )
   s = report.summarise(curves)
   assert s.reach_share == pytest.approx(1 / 3)
   final = np.array([1.0, 0.97, 0.5])

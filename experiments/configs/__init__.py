@@ -9,7 +9,7 @@ import ml_collections
 from experiments.configs import bandit
 
 CONFIGS = {
-    "bandit": bandit,
+  "bandit": bandit,
 }
 
 

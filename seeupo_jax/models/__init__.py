@@ -2,13 +2,13 @@
 
 from seeupo_jax.models.config import PRESETS, ModelConfig, get_preset
 from seeupo_jax.models.qwen import (
-    KVCache,
-    forward,
-    hidden_states,
-    init_cache,
-    init_params,
-    logprobs_from_hidden,
-    output_kernel,
-    params_shape,
-    token_logprobs,
+  KVCache,
+  forward,
+  hidden_states,
+  init_cache,
+  init_params,
+  logprobs_from_hidden,
+  output_kernel,
+  params_shape,
+  token_logprobs,
 )

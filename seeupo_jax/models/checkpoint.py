@@ -34,262 +34,258 @@ CONFIG_FILE = "config.json"
 
 # (our path inside params["layers"], HF name inside model.layers.{i}, HF stores [out, in]).
 LAYER_TENSORS = (
-    (("input_norm", "scale"), "input_layernorm.weight", False),
-    (("attn", "q_proj", "kernel"), "self_attn.q_proj.weight", True),
-    (("attn", "q_proj", "bias"), "self_attn.q_proj.bias", False),
-    (("attn", "k_proj", "kernel"), "self_attn.k_proj.weight", True),
-    (("attn", "k_proj", "bias"), "self_attn.k_proj.bias", False),
-    (("attn", "v_proj", "kernel"), "self_attn.v_proj.weight", True),
-    (("attn", "v_proj", "bias"), "self_attn.v_proj.bias", False),
-    (("attn", "o_proj", "kernel"), "self_attn.o_proj.weight", True),
-    (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", False),
-    (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", False),
-    (("post_attn_norm", "scale"), "post_attention_layernorm.weight", False),
-    (("mlp", "gate_proj", "kernel"), "mlp.gate_proj.weight", True),
-    (("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", True),
-    (("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", True),
+  (("input_norm", "scale"), "input_layernorm.weight", False),
+  (("attn", "q_proj", "kernel"), "self_attn.q_proj.weight", True),
+  (("attn", "q_proj", "bias"), "self_attn.q_proj.bias", False),
+  (("attn", "k_proj", "kernel"), "self_attn.k_proj.weight", True),
+  (("attn", "k_proj", "bias"), "self_attn.k_proj.bias", False),
+  (("attn", "v_proj", "kernel"), "self_attn.v_proj.weight", True),
+  (("attn", "v_proj", "bias"), "self_attn.v_proj.bias", False),
+  (("attn", "o_proj", "kernel"), "self_attn.o_proj.weight", True),
+  (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", False),
+  (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", False),
+  (("post_attn_norm", "scale"), "post_attention_layernorm.weight", False),
+  (("mlp", "gate_proj", "kernel"), "mlp.gate_proj.weight", True),
+  (("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", True),
+  (("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", True),
 )
 GLOBAL_TENSORS = (
-    (("embed", "embedding"), "model.embed_tokens.weight", False),
-    (("final_norm", "scale"), "model.norm.weight", False),
-    (("lm_head", "kernel"), "lm_head.weight", True),
+  (("embed", "embedding"), "model.embed_tokens.weight", False),
+  (("final_norm", "scale"), "model.norm.weight", False),
+  (("lm_head", "kernel"), "lm_head.weight", True),
 )
 
 
 def _get(tree, path):
-    for key in path:
-        if key not in tree:
-            return None
-        tree = tree[key]
-    return tree
+  for key in path:
+    if key not in tree:
+      return None
+    tree = tree[key]
+  return tree
 
 
 def _set(tree, path, value):
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
 
 
 def load_config(directory: str, **overrides: Any) -> ModelConfig:
-    """ModelConfig from `directory/config.json`; overrides set dtype, remat, ..."""
-    with open(os.path.join(directory, CONFIG_FILE)) as f:
-        return ModelConfig.from_hf_dict(json.load(f), **overrides)
+  """ModelConfig from `directory/config.json`; overrides set dtype, remat, ..."""
+  with open(os.path.join(directory, CONFIG_FILE)) as f:
+    return ModelConfig.from_hf_dict(json.load(f), **overrides)
 
 
 class _TensorSource:
-    """Name -> memory-mapped tensor over the checkpoint's safetensors files."""
+  """Name -> memory-mapped tensor over the checkpoint's safetensors files."""
 
-    def __init__(self, directory: str):
-        index_path = os.path.join(directory, INDEX_FILE)
-        if os.path.exists(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
-        elif os.path.exists(os.path.join(directory, SINGLE_FILE)):
-            files = [SINGLE_FILE]
-        else:
-            files = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {directory}")
-        self._readers = {}
-        for name in files:
-            reader = safetensors_io.SafetensorsReader(os.path.join(directory, name))
-            for key in reader.keys():
-                self._readers[key] = reader
+  def __init__(self, directory: str):
+    index_path = os.path.join(directory, INDEX_FILE)
+    if os.path.exists(index_path):
+      with open(index_path) as f:
+        weight_map = json.load(f)["weight_map"]
+      files = sorted(set(weight_map.values()))
+    elif os.path.exists(os.path.join(directory, SINGLE_FILE)):
+      files = [SINGLE_FILE]
+    else:
+      files = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    if not files:
+      raise FileNotFoundError(f"no *.safetensors files in {directory}")
+    self._readers = {}
+    for name in files:
+      reader = safetensors_io.SafetensorsReader(os.path.join(directory, name))
+      for key in reader.keys():
+        self._readers[key] = reader
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._readers
+  def __contains__(self, name: str) -> bool:
+    return name in self._readers
 
-    def get(self, name: str) -> np.ndarray:
-        return self._readers[name].tensor(name)
+  def get(self, name: str) -> np.ndarray:
+    return self._readers[name].tensor(name)
 
 
 def _index_tuple(index, ndim):
-    return tuple(index) + (slice(None),) * (ndim - len(index))
+  return tuple(index) + (slice(None),) * (ndim - len(index))
 
 
 def _global_block(source, hf_name, transpose, dtype):
-    def callback(index):
-        tensor = source.get(hf_name)
-        tensor = tensor.T if transpose else tensor
-        return np.asarray(tensor[_index_tuple(index, tensor.ndim)], dtype=dtype)
+  def callback(index):
+    tensor = source.get(hf_name)
+    tensor = tensor.T if transpose else tensor
+    return np.asarray(tensor[_index_tuple(index, tensor.ndim)], dtype=dtype)
 
-    return callback
+  return callback
 
 
 def _layer_block(source, hf_suffix, transpose, dtype, num_layers):
-    def callback(index):
-        index = _index_tuple(index, 1)
-        rows = []
-        for layer in range(num_layers)[index[0]]:
-            tensor = source.get(f"model.layers.{layer}.{hf_suffix}")
-            tensor = tensor.T if transpose else tensor
-            rows.append(np.asarray(tensor[index[1:]], dtype=dtype))
-        return np.stack(rows)
+  def callback(index):
+    index = _index_tuple(index, 1)
+    rows = []
+    for layer in range(num_layers)[index[0]]:
+      tensor = source.get(f"model.layers.{layer}.{hf_suffix}")
+      tensor = tensor.T if transpose else tensor
+      rows.append(np.asarray(tensor[index[1:]], dtype=dtype))
+    return np.stack(rows)
 
-    return callback
+  return callback
 
 
 def load_params(
-    directory: str, config: ModelConfig, shardings: Union[None, Mesh, Any] = None
+  directory: str, config: ModelConfig, shardings: Union[None, Mesh, Any] = None
 ) -> qwen.Params:
-    """Reads HF safetensors into the params pytree, parameter by parameter.
+  """Reads HF safetensors into the params pytree, parameter by parameter.
 
-    Args:
-      directory: checkpoint directory (config.json and *.safetensors).
-      config: the model config (e.g. from `load_config`); params are cast to
-        config.param_dtype.
-      shardings: None (default device), a Mesh (partition rules of
-        `sharding.param_shardings`), or a pytree of `jax.sharding.Sharding`
-        matching the params.
+  Args:
+    directory: checkpoint directory (config.json and *.safetensors).
+    config: the model config (e.g. from `load_config`); params are cast to
+      config.param_dtype.
+    shardings: None (default device), a Mesh (partition rules of
+      `sharding.param_shardings`), or a pytree of `jax.sharding.Sharding`
+      matching the params.
 
-    Returns:
-      params pytree, each leaf a jax.Array placed on its sharding.
+  Returns:
+    params pytree, each leaf a jax.Array placed on its sharding.
 
-    Raises:
-      KeyError: a tensor the config needs is missing.
-      ValueError: a tensor's shape does not match the config.
-    """
-    source = _TensorSource(directory)
-    shapes = qwen.params_shape(config)
-    if shardings is None:
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: device, shapes)
-    elif isinstance(shardings, Mesh):
-        shardings = sharding_lib.param_shardings(shapes, shardings)
-    dtype = np.dtype(jnp.dtype(config.param_dtype))
-    params = {}
+  Raises:
+    KeyError: a tensor the config needs is missing.
+    ValueError: a tensor's shape does not match the config.
+  """
+  source = _TensorSource(directory)
+  shapes = qwen.params_shape(config)
+  if shardings is None:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: device, shapes)
+  elif isinstance(shardings, Mesh):
+    shardings = sharding_lib.param_shardings(shapes, shardings)
+  dtype = np.dtype(jnp.dtype(config.param_dtype))
+  params = {}
 
-    def place(path, callback, expected_hf_names, hf_shape_of):
-        target = _get(shapes, path)
-        for hf_name in expected_hf_names:
-            if hf_name not in source:
-                raise KeyError(
-                    f"checkpoint {directory} lacks tensor {hf_name!r} needed by {'/'.join(path)}"
-                )
-            if hf_shape_of(hf_name) != tuple(target.shape[-len(hf_shape_of(hf_name)) :]):
-                raise ValueError(
-                    f"tensor {hf_name!r} has shape {source.get(hf_name).shape}, "
-                    f"config needs {target.shape} for {'/'.join(path)}"
-                )
-        array = jax.make_array_from_callback(target.shape, _get(shardings, path), callback)
-        _set(params, path, array)
-
-    for path, hf_name, transpose in GLOBAL_TENSORS:
-        if _get(shapes, path) is None:
-            continue
-
-        def hf_shape(name, transpose=transpose):
-            shape = source.get(name).shape
-            return tuple(reversed(shape)) if transpose else tuple(shape)
-
-        place(path, _global_block(source, hf_name, transpose, dtype), [hf_name], hf_shape)
-    for path, suffix, transpose in LAYER_TENSORS:
-        full = ("layers",) + path
-        if _get(shapes, full) is None:
-            continue
-        names = [f"model.layers.{i}.{suffix}" for i in range(config.num_layers)]
-
-        def hf_shape(name, transpose=transpose):
-            shape = source.get(name).shape
-            return tuple(reversed(shape)) if transpose else tuple(shape)
-
-        place(
-            full, _layer_block(source, suffix, transpose, dtype, config.num_layers), names, hf_shape
+  def place(path, callback, expected_hf_names, hf_shape_of):
+    target = _get(shapes, path)
+    for hf_name in expected_hf_names:
+      if hf_name not in source:
+        raise KeyError(
+          f"checkpoint {directory} lacks tensor {hf_name!r} needed by {'/'.join(path)}"
         )
-    return params
+      if hf_shape_of(hf_name) != tuple(target.shape[-len(hf_shape_of(hf_name)) :]):
+        raise ValueError(
+          f"tensor {hf_name!r} has shape {source.get(hf_name).shape}, "
+          f"config needs {target.shape} for {'/'.join(path)}"
+        )
+    array = jax.make_array_from_callback(target.shape, _get(shardings, path), callback)
+    _set(params, path, array)
+
+  for path, hf_name, transpose in GLOBAL_TENSORS:
+    if _get(shapes, path) is None:
+      continue
+
+    def hf_shape(name, transpose=transpose):
+      shape = source.get(name).shape
+      return tuple(reversed(shape)) if transpose else tuple(shape)
+
+    place(path, _global_block(source, hf_name, transpose, dtype), [hf_name], hf_shape)
+  for path, suffix, transpose in LAYER_TENSORS:
+    full = ("layers",) + path
+    if _get(shapes, full) is None:
+      continue
+    names = [f"model.layers.{i}.{suffix}" for i in range(config.num_layers)]
+
+    def hf_shape(name, transpose=transpose):
+      shape = source.get(name).shape
+      return tuple(reversed(shape)) if transpose else tuple(shape)
+
+    place(full, _layer_block(source, suffix, transpose, dtype, config.num_layers), names, hf_shape)
+  return params
 
 
 def load(directory: str, shardings: Union[None, Mesh, Any] = None, **overrides: Any):
-    """(config, params) of a HF Qwen2/Qwen3 checkpoint directory; see `load_params`."""
-    config = load_config(directory, **overrides)
-    return config, load_params(directory, config, shardings)
+  """(config, params) of a HF Qwen2/Qwen3 checkpoint directory; see `load_params`."""
+  config = load_config(directory, **overrides)
+  return config, load_params(directory, config, shardings)
 
 
 def _hf_entries(params, config: ModelConfig, out_dtype):
-    """[(hf_name, hf_shape, fetch)] in HF order; fetch() -> host np.ndarray."""
-    entries = []
+  """[(hf_name, hf_shape, fetch)] in HF order; fetch() -> host np.ndarray."""
+  entries = []
 
-    def add(hf_name, leaf, transpose, layer=None):
-        shape = leaf.shape[1:] if layer is not None else leaf.shape
-        shape = tuple(reversed(shape)) if transpose else tuple(shape)
+  def add(hf_name, leaf, transpose, layer=None):
+    shape = leaf.shape[1:] if layer is not None else leaf.shape
+    shape = tuple(reversed(shape)) if transpose else tuple(shape)
 
-        def fetch():
-            value = leaf if layer is None else leaf[layer]
-            value = np.asarray(jax.device_get(value)).astype(out_dtype)
-            return value.T if transpose else value
+    def fetch():
+      value = leaf if layer is None else leaf[layer]
+      value = np.asarray(jax.device_get(value)).astype(out_dtype)
+      return value.T if transpose else value
 
-        entries.append((hf_name, shape, fetch))
+    entries.append((hf_name, shape, fetch))
 
-    add("model.embed_tokens.weight", params["embed"]["embedding"], False)
-    for i in range(config.num_layers):
-        for path, suffix, transpose in LAYER_TENSORS:
-            leaf = _get(params["layers"], path)
-            if leaf is not None:
-                add(f"model.layers.{i}.{suffix}", leaf, transpose, layer=i)
-    add("model.norm.weight", params["final_norm"]["scale"], False)
-    if not config.tie_word_embeddings:
-        add("lm_head.weight", params["lm_head"]["kernel"], True)
-    return entries
+  add("model.embed_tokens.weight", params["embed"]["embedding"], False)
+  for i in range(config.num_layers):
+    for path, suffix, transpose in LAYER_TENSORS:
+      leaf = _get(params["layers"], path)
+      if leaf is not None:
+        add(f"model.layers.{i}.{suffix}", leaf, transpose, layer=i)
+  add("model.norm.weight", params["final_norm"]["scale"], False)
+  if not config.tie_word_embeddings:
+    add("lm_head.weight", params["lm_head"]["kernel"], True)
+  return entries
 
 
 def save(
-    params: qwen.Params,
-    config: ModelConfig,
-    directory: str,
-    *,
-    dtype: Optional[str] = None,
-    max_shard_bytes: int = 5 * 2**30,
+  params: qwen.Params,
+  config: ModelConfig,
+  directory: str,
+  *,
+  dtype: Optional[str] = None,
+  max_shard_bytes: int = 5 * 2**30,
 ) -> list[str]:
-    """Writes params as a HF checkpoint (safetensors + config.json).
+  """Writes params as a HF checkpoint (safetensors + config.json).
 
-    One `model.safetensors` when everything fits in max_shard_bytes, otherwise
-    `model-0000k-of-0000n.safetensors` files plus `model.safetensors.index.json`.
-    Tensors are fetched from the devices and written one at a time.
+  One `model.safetensors` when everything fits in max_shard_bytes, otherwise
+  `model-0000k-of-0000n.safetensors` files plus `model.safetensors.index.json`.
+  Tensors are fetched from the devices and written one at a time.
 
-    Args:
-      params: params pytree (any sharding, fully addressable).
-      config: its ModelConfig.
-      directory: output directory (created).
-      dtype: storage dtype, "float32" or "bfloat16"; default config.param_dtype.
-      max_shard_bytes: size threshold of one safetensors file.
+  Args:
+    params: params pytree (any sharding, fully addressable).
+    config: its ModelConfig.
+    directory: output directory (created).
+    dtype: storage dtype, "float32" or "bfloat16"; default config.param_dtype.
+    max_shard_bytes: size threshold of one safetensors file.
 
-    Returns:
-      the safetensors file names written.
-    """
-    dtype = dtype or config.param_dtype
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"save dtype must be one of ('float32', 'bfloat16'), got {dtype!r}")
-    if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
-    np_dtype = np.dtype(jnp.dtype(dtype))
-    os.makedirs(directory, exist_ok=True)
-    entries = _hf_entries(params, config, np_dtype)
-    fetchers = {name: fetch for name, _, fetch in entries}
-    groups = safetensors_io.shard_entries(
-        [(n, s, np_dtype) for n, s, _ in entries], max_shard_bytes
+  Returns:
+    the safetensors file names written.
+  """
+  dtype = dtype or config.param_dtype
+  if dtype not in ("float32", "bfloat16"):
+    raise ValueError(f"save dtype must be one of ('float32', 'bfloat16'), got {dtype!r}")
+  if max_shard_bytes <= 0:
+    raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+  np_dtype = np.dtype(jnp.dtype(dtype))
+  os.makedirs(directory, exist_ok=True)
+  entries = _hf_entries(params, config, np_dtype)
+  fetchers = {name: fetch for name, _, fetch in entries}
+  groups = safetensors_io.shard_entries([(n, s, np_dtype) for n, s, _ in entries], max_shard_bytes)
+  if len(groups) == 1:
+    files = [SINGLE_FILE]
+  else:
+    files = [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+  weight_map, total = {}, 0
+  for file_name, group in zip(files, groups):
+    safetensors_io.write_file(
+      os.path.join(directory, file_name),
+      group,
+      lambda name: fetchers[name](),
+      metadata={"format": "pt"},
     )
-    if len(groups) == 1:
-        files = [SINGLE_FILE]
-    else:
-        files = [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
-    weight_map, total = {}, 0
-    for file_name, group in zip(files, groups):
-        safetensors_io.write_file(
-            os.path.join(directory, file_name),
-            group,
-            lambda name: fetchers[name](),
-            metadata={"format": "pt"},
-        )
-        for name, shape, _ in group:
-            weight_map[name] = file_name
-            total += int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
-    if len(groups) > 1:
-        with open(os.path.join(directory, INDEX_FILE), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    elif os.path.exists(os.path.join(directory, INDEX_FILE)):
-        os.remove(os.path.join(directory, INDEX_FILE))
-    hf_config = config.replace(param_dtype=dtype).to_hf_dict()
-    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
-        json.dump(hf_config, f, indent=2)
-    return files
+    for name, shape, _ in group:
+      weight_map[name] = file_name
+      total += int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+  if len(groups) > 1:
+    with open(os.path.join(directory, INDEX_FILE), "w") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+  elif os.path.exists(os.path.join(directory, INDEX_FILE)):
+    os.remove(os.path.join(directory, INDEX_FILE))
+  hf_config = config.replace(param_dtype=dtype).to_hf_dict()
+  with open(os.path.join(directory, CONFIG_FILE), "w") as f:
+    json.dump(hf_config, f, indent=2)
+  return files

@@ -36,6 +36,7 @@ class Bandit:
     num_turns: T (static).
     num_actions: K (static).
   """
+
   rewards: chex.Array
   context_probs: chex.Array
   num_turns: int = flax.struct.field(pytree_node=False)
@@ -61,6 +62,7 @@ class Enumeration(NamedTuple):
     state_turn: [S] int32, t (0-based) of each state.
     state_prefix: [S, T] int32, a_<t padded with -1.
   """
+
   num_contexts: int
   num_actions: int
   num_turns: int
@@ -80,14 +82,14 @@ class Enumeration(NamedTuple):
     return sum(self.num_actions**u for u in range(t))
 
 
-def enumerate_bandit(num_contexts: int, num_actions: int,
-                     num_turns: int) -> Enumeration:
+def enumerate_bandit(num_contexts: int, num_actions: int, num_turns: int) -> Enumeration:
   """Builds the state and trajectory tables of an (X, K, T) bandit."""
   x_, k, t_ = num_contexts, num_actions, num_turns
   if x_ < 1 or k < 2 or t_ < 1:
     raise ValueError(
-        f"need num_contexts >= 1, num_actions >= 2, num_turns >= 1; got "
-        f"{num_contexts}, {num_actions}, {num_turns}")
+      f"need num_contexts >= 1, num_actions >= 2, num_turns >= 1; got "
+      f"{num_contexts}, {num_actions}, {num_turns}"
+    )
   per_context = sum(k**u for u in range(t_))
   offsets = np.cumsum([0] + [k**u for u in range(t_)])[:t_]
   actions = np.array(np.unravel_index(np.arange(k**t_), (k,) * t_)).T
@@ -98,8 +100,7 @@ def enumerate_bandit(num_contexts: int, num_actions: int,
     prefix = np.zeros(len(actions), np.int64)
     for u in range(t):
       prefix = prefix * k + actions[:, u]
-    traj_states[:, t] = (traj_context * per_context + offsets[t]
-                         + np.tile(prefix, x_))
+    traj_states[:, t] = traj_context * per_context + offsets[t] + np.tile(prefix, x_)
   num_states = x_ * per_context
   state_context = np.zeros(num_states, np.int32)
   state_turn = np.zeros(num_states, np.int32)
@@ -111,8 +112,18 @@ def enumerate_bandit(num_contexts: int, num_actions: int,
         state_context[s], state_turn[s] = x, t
         if t:
           state_prefix[s, :t] = np.unravel_index(p, (k,) * t)
-  return Enumeration(x_, k, t_, num_states, traj_context, traj_states,
-                     traj_actions, state_context, state_turn, state_prefix)
+  return Enumeration(
+    x_,
+    k,
+    t_,
+    num_states,
+    traj_context,
+    traj_states,
+    traj_actions,
+    state_context,
+    state_turn,
+    state_prefix,
+  )
 
 
 def trajectory_log_probs(enum: Enumeration, log_pi: chex.Array) -> chex.Array:
@@ -130,8 +141,7 @@ def trajectory_log_probs(enum: Enumeration, log_pi: chex.Array) -> chex.Array:
   return per_turn.sum(-1)
 
 
-def expected_return(bandit: Bandit, enum: Enumeration,
-                    log_pi: chex.Array) -> chex.Array:
+def expected_return(bandit: Bandit, enum: Enumeration, log_pi: chex.Array) -> chex.Array:
   """Exact J = sum_x p(x) sum_a P(a | x) r(x, a) by enumeration.
 
   Args:
@@ -142,8 +152,7 @@ def expected_return(bandit: Bandit, enum: Enumeration,
   Returns:
     scalar float32.
   """
-  chex.assert_shape(bandit.rewards,
-                    (enum.num_contexts, enum.num_actions**enum.num_turns))
+  chex.assert_shape(bandit.rewards, (enum.num_contexts, enum.num_actions**enum.num_turns))
   probs = jnp.exp(trajectory_log_probs(enum, log_pi))
   probs = probs.reshape(bandit.rewards.shape)
   return jnp.sum(bandit.context_probs * jnp.sum(probs * bandit.rewards, -1))
@@ -188,10 +197,12 @@ def optimal_log_policy(bandit: Bandit, enum: Enumeration) -> chex.Array:
   log_pi = jnp.zeros((enum.num_states, k))
   per_context = enum.states_per_context
   for t, best in rows:
-    idx = (np.arange(enum.num_contexts)[:, None] * per_context
-           + enum.turn_offset(t) + np.arange(k**t)[None])
-    log_pi = log_pi.at[idx.reshape(-1)].set(
-        jnp.where(best.reshape(-1, k) > 0, 0.0, -1e9))
+    idx = (
+      np.arange(enum.num_contexts)[:, None] * per_context
+      + enum.turn_offset(t)
+      + np.arange(k**t)[None]
+    )
+    log_pi = log_pi.at[idx.reshape(-1)].set(jnp.where(best.reshape(-1, k) > 0, 0.0, -1e9))
   return log_pi
 
 
@@ -204,14 +215,16 @@ class Rollouts(NamedTuple):
     actions: [B, T] int32, a_t.
     rewards: [B] float32, r(x, a_1..a_T).
   """
+
   contexts: chex.Array
   states: chex.Array
   actions: chex.Array
   rewards: chex.Array
 
 
-def sample_rollouts(key: chex.PRNGKey, bandit: Bandit, enum: Enumeration,
-                    log_pi: chex.Array, group_size: int) -> Rollouts:
+def sample_rollouts(
+  key: chex.PRNGKey, bandit: Bandit, enum: Enumeration, log_pi: chex.Array, group_size: int
+) -> Rollouts:
   """Samples `group_size` trajectories for every context (one group each).
 
   Args:
@@ -237,6 +250,9 @@ def sample_rollouts(key: chex.PRNGKey, bandit: Bandit, enum: Enumeration,
     actions.append(action)
     prefix = prefix * k + action
   rewards = bandit.rewards[contexts, prefix]
-  return Rollouts(contexts.astype(jnp.int32),
-                  jnp.stack(states, 1).astype(jnp.int32),
-                  jnp.stack(actions, 1).astype(jnp.int32), rewards)
+  return Rollouts(
+    contexts.astype(jnp.int32),
+    jnp.stack(states, 1).astype(jnp.int32),
+    jnp.stack(actions, 1).astype(jnp.int32),
+    rewards,
+  )

@@ -38,54 +38,49 @@ def _uniform_contexts(num_contexts: int) -> chex.Array:
 def _all_sequences(num_actions: int, num_turns: int) -> chex.Array:
   """[K^T, T] int32, every action sequence in trajectory order."""
   idx = jnp.arange(num_actions**num_turns)
-  digits = [(idx // num_actions**(num_turns - 1 - t)) % num_actions
-            for t in range(num_turns)]
+  digits = [(idx // num_actions ** (num_turns - 1 - t)) % num_actions for t in range(num_turns)]
   return jnp.stack(digits, -1)
 
 
 def random_instance(key, num_contexts, num_actions, num_turns):
   """r(x, a) ~ U[0, 1] i.i.d.; uniform contexts."""
-  rewards = jax.random.uniform(
-      key, (num_contexts, num_actions**num_turns), jnp.float32)
-  return bandit_lib.Bandit(rewards, _uniform_contexts(num_contexts),
-                           num_turns, num_actions)
+  rewards = jax.random.uniform(key, (num_contexts, num_actions**num_turns), jnp.float32)
+  return bandit_lib.Bandit(rewards, _uniform_contexts(num_contexts), num_turns, num_actions)
 
 
 def trap_instance(key, num_contexts, num_actions, num_turns):
   """Delayed pay-off: 1 for the key, 0 after a_1 = k_1 otherwise, ~0.55 else."""
   key_seq, key_safe = jax.random.split(key)
   seqs = _all_sequences(num_actions, num_turns)  # [K^T, T]
-  keys = jax.random.randint(key_seq, (num_contexts, num_turns), 0,
-                            num_actions)
+  keys = jax.random.randint(key_seq, (num_contexts, num_turns), 0, num_actions)
   hit = jnp.all(seqs[None] == keys[:, None], -1)  # [X, K^T]
   first = seqs[None, :, 0] == keys[:, None, 0]
   safe = 0.5 + 0.1 * jax.random.uniform(key_safe, hit.shape)
   rewards = jnp.where(hit, 1.0, jnp.where(first, 0.0, safe))
-  return bandit_lib.Bandit(rewards.astype(jnp.float32),
-                           _uniform_contexts(num_contexts), num_turns,
-                           num_actions)
+  return bandit_lib.Bandit(
+    rewards.astype(jnp.float32), _uniform_contexts(num_contexts), num_turns, num_actions
+  )
 
 
 def decoy_instance(key, num_contexts, num_actions, num_turns):
   """1 for the key; 0.6 * (share of turns matching a decoy) otherwise."""
   key_seq, key_shift = jax.random.split(key)
   seqs = _all_sequences(num_actions, num_turns)
-  keys = jax.random.randint(key_seq, (num_contexts, num_turns), 0,
-                            num_actions)
+  keys = jax.random.randint(key_seq, (num_contexts, num_turns), 0, num_actions)
   shift = jax.random.randint(key_shift, keys.shape, 1, num_actions)
   decoys = (keys + shift) % num_actions  # d_t != k_t at every turn
   hit = jnp.all(seqs[None] == keys[:, None], -1)
   decoy_share = jnp.mean(seqs[None] == decoys[:, None], -1)
   rewards = jnp.where(hit, 1.0, 0.6 * decoy_share)
-  return bandit_lib.Bandit(rewards.astype(jnp.float32),
-                           _uniform_contexts(num_contexts), num_turns,
-                           num_actions)
+  return bandit_lib.Bandit(
+    rewards.astype(jnp.float32), _uniform_contexts(num_contexts), num_turns, num_actions
+  )
 
 
 FAMILIES: dict[str, InstanceFn] = {
-    "random": random_instance,
-    "trap": trap_instance,
-    "decoy": decoy_instance,
+  "random": random_instance,
+  "trap": trap_instance,
+  "decoy": decoy_instance,
 }
 
 
@@ -93,6 +88,6 @@ def get_family(name: str) -> InstanceFn:
   """Looks up an instance family by name; a bad name lists the allowed ones."""
   if name not in FAMILIES:
     raise ValueError(
-        f"unknown instance family {name!r} (config key `families`); allowed: "
-        f"{sorted(FAMILIES)}")
+      f"unknown instance family {name!r} (config key `families`); allowed: {sorted(FAMILIES)}"
+    )
   return FAMILIES[name]

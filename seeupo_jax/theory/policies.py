@@ -34,6 +34,7 @@ class Policy(NamedTuple):
       logits(s, a).
     num_params: length of the parameter vector theta.
   """
+
   feature_ids: np.ndarray
   num_params: int
 
@@ -58,10 +59,10 @@ def shared_policy(enum: bandit_lib.Enumeration) -> Policy:
   sizes = [x_ * k, t_ * k, x_ * (k + 1) * k, (k + 1) * (k + 1) * k]
   offsets = np.cumsum([0] + sizes)
   blocks = [
-      enum.state_context[:, None] * k + a,
-      turn[:, None] * k + a,
-      (enum.state_context[:, None] * (k + 1) + prev1[:, None]) * k + a,
-      (prev2[:, None] * (k + 1) + prev1[:, None]) * k + a,
+    enum.state_context[:, None] * k + a,
+    turn[:, None] * k + a,
+    (enum.state_context[:, None] * (k + 1) + prev1[:, None]) * k + a,
+    (prev2[:, None] * (k + 1) + prev1[:, None]) * k + a,
   ]
   ids = np.stack([b + o for b, o in zip(blocks, offsets[:-1])], -1)
   return Policy(ids.astype(np.int32), int(offsets[-1]))
@@ -73,8 +74,7 @@ POLICIES = {"tabular": tabular_policy, "shared": shared_policy}
 def get_policy(name: str, enum: bandit_lib.Enumeration) -> Policy:
   """Builds a policy class by name; a bad name lists the allowed ones."""
   if name not in POLICIES:
-    raise ValueError(f"unknown policy {name!r} (config key `policy`); "
-                     f"allowed: {sorted(POLICIES)}")
+    raise ValueError(f"unknown policy {name!r} (config key `policy`); allowed: {sorted(POLICIES)}")
   return POLICIES[name](enum)
 
 
@@ -102,8 +102,9 @@ def log_policy(policy: Policy, theta: chex.Array) -> chex.Array:
   return jax.nn.log_softmax(logits, -1)
 
 
-def action_log_probs(policy: Policy, theta: chex.Array, states: chex.Array,
-                     actions: chex.Array) -> chex.Array:
+def action_log_probs(
+  policy: Policy, theta: chex.Array, states: chex.Array, actions: chex.Array
+) -> chex.Array:
   """Per-turn log-probs of sampled trajectories ("turn t's tokens").
 
   Args:

@@ -27,6 +27,7 @@ class Summary(NamedTuple):
       among the runs that got there (NaN if none did).
     share_to_95: share of runs that reached 0.95 J* at some iteration.
   """
+
   reach_share: float
   final_mean: float
   final_ci: float
@@ -39,8 +40,7 @@ def summarise(curves: np.ndarray) -> Summary:
   """Summarises [runs, I + 1] normalised curves J / J*."""
   curves = np.asarray(curves, np.float64)
   if curves.ndim != 2 or curves.shape[1] < 2:
-    raise ValueError(f"curves must be [runs, iterations + 1], got "
-                     f"{curves.shape}")
+    raise ValueError(f"curves must be [runs, iterations + 1], got {curves.shape}")
   final = curves[:, -1]
   runs = len(final)
   ci = 1.96 * final.std(ddof=1) / np.sqrt(runs) if runs > 1 else np.nan
@@ -49,26 +49,39 @@ def summarise(curves: np.ndarray) -> Summary:
   reached = hit.any(1)
   first = np.argmax(hit, 1).astype(np.float64)
   median_first = float(np.median(first[reached])) if reached.any() else np.nan
-  return Summary(float(np.mean(final >= REACH)), float(final.mean()),
-                 float(ci), float(drops.mean()), median_first,
-                 float(reached.mean()))
+  return Summary(
+    float(np.mean(final >= REACH)),
+    float(final.mean()),
+    float(ci),
+    float(drops.mean()),
+    median_first,
+    float(reached.mean()),
+  )
 
 
-HEADER = ("algorithm", "family", "lr", "reach>=0.99J*", "final J/J* (95% CI)",
-          "J drops", "iters to 0.95J*")
+HEADER = (
+  "algorithm",
+  "family",
+  "lr",
+  "reach>=0.99J*",
+  "final J/J* (95% CI)",
+  "J drops",
+  "iters to 0.95J*",
+)
 
 
 def format_table(rows: Sequence[tuple[str, str, float, Summary]]) -> str:
   """Markdown table, one line per (algorithm, family, chosen lr, summary)."""
-  lines = ["| " + " | ".join(HEADER) + " |",
-           "|" + "---|" * len(HEADER)]
+  lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
   for algo, family, lr, s in rows:
-    iters = ("never" if np.isnan(s.iters_to_95) else
-             f"{s.iters_to_95:.0f} ({s.share_to_95:.0%} of runs)")
+    iters = (
+      "never" if np.isnan(s.iters_to_95) else f"{s.iters_to_95:.0f} ({s.share_to_95:.0%} of runs)"
+    )
     lines.append(
-        f"| {algo} | {family} | {lr:g} | {s.reach_share:.1%} | "
-        f"{s.final_mean:.4f} ± {s.final_ci:.4f} | {s.violation_share:.1%} | "
-        f"{iters} |")
+      f"| {algo} | {family} | {lr:g} | {s.reach_share:.1%} | "
+      f"{s.final_mean:.4f} ± {s.final_ci:.4f} | {s.violation_share:.1%} | "
+      f"{iters} |"
+    )
   return "\n".join(lines)
 
 
@@ -81,6 +94,7 @@ def plot_curves(path: str, family: str, curves: dict[str, np.ndarray]) -> None:
     curves: algorithm name -> [runs, I + 1] normalised curves.
   """
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
@@ -91,8 +105,12 @@ def plot_curves(path: str, family: str, curves: dict[str, np.ndarray]) -> None:
     lo, hi = np.quantile(c, [0.1, 0.9], axis=0)
     ax.fill_between(steps, lo, hi, alpha=0.12)
   ax.axhline(REACH, color="k", ls=":", lw=0.8)
-  ax.set(xlabel="iteration", ylabel="J / J*  (mean, 10-90% band)",
-         title=f"{family} instances", ylim=(None, 1.005))
+  ax.set(
+    xlabel="iteration",
+    ylabel="J / J*  (mean, 10-90% band)",
+    title=f"{family} instances",
+    ylim=(None, 1.005),
+  )
   ax.legend(fontsize=7, ncol=2, loc="lower right")
   fig.tight_layout()
   fig.savefig(path, dpi=110)

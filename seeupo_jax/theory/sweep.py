@@ -49,8 +49,9 @@ def default_config() -> ml_collections.ConfigDict:
   config.num_turns = 4
   config.policy = "tabular"
   config.families = "random,trap,decoy"
-  config.algorithms = ("seeupo,seeupo_forward,seeupo_random,seeupo_nocorr,"
-                       "seeupo_groupstd,grpo,gspo,reinforce,rloo,ppo")
+  config.algorithms = (
+    "seeupo,seeupo_forward,seeupo_random,seeupo_nocorr,seeupo_groupstd,grpo,gspo,reinforce,rloo,ppo"
+  )
   config.num_iterations = 200
   config.group_size = 16
   config.epochs_per_turn = 2
@@ -72,6 +73,7 @@ class SettingResult(NamedTuple):
     curves: [L, runs, I + 1] float32, J / J* per run.
     best: index into the grid with the highest mean final J / J*.
   """
+
   learning_rates: np.ndarray
   curves: np.ndarray
   best: int
@@ -91,11 +93,11 @@ def _names(config_value: str, key: str) -> list[str]:
 def learning_rates(config: ml_collections.ConfigDict) -> np.ndarray:
   """Parses `config.learning_rates` ("0.3,1,3") into a positive array."""
   try:
-    lrs = np.array([float(v) for v in _names(config.learning_rates,
-                                             "learning_rates")], np.float32)
+    lrs = np.array([float(v) for v in _names(config.learning_rates, "learning_rates")], np.float32)
   except ValueError as e:
-    raise ValueError(f"config key `learning_rates` must be comma-separated "
-                     f"numbers, got {config.learning_rates!r}") from e
+    raise ValueError(
+      f"config key `learning_rates` must be comma-separated numbers, got {config.learning_rates!r}"
+    ) from e
   if np.any(lrs <= 0):
     raise ValueError(f"config key `learning_rates` must be > 0, got {lrs}")
   return lrs
@@ -108,14 +110,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for name in _names(config.families, "families"):
     instances.get_family(name)
   if config.policy not in policies.POLICIES:
-    raise ValueError(f"unknown policy {config.policy!r} (config key "
-                     f"`policy`); allowed: {sorted(policies.POLICIES)}")
+    raise ValueError(
+      f"unknown policy {config.policy!r} (config key "
+      f"`policy`); allowed: {sorted(policies.POLICIES)}"
+    )
   if not 2 <= config.num_turns <= 6:
-    raise ValueError(f"config key `num_turns` must be in 2..6, got "
-                     f"{config.num_turns}")
+    raise ValueError(f"config key `num_turns` must be in 2..6, got {config.num_turns}")
   if int(config.num_seeds) < 2:
-    raise ValueError(f"config key `num_seeds` must be >= 2, got "
-                     f"{config.num_seeds}")
+    raise ValueError(f"config key `num_seeds` must be >= 2, got {config.num_seeds}")
   learning_rates(config)
 
 
@@ -123,7 +125,8 @@ def _seed_keys(config) -> tuple[jax.Array, jax.Array]:
   """[runs] instance keys and [runs] training keys, from `config.seed`."""
   base = jax.random.PRNGKey(int(config.seed))
   keys = jax.vmap(lambda s: jax.random.split(jax.random.fold_in(base, s)))(
-      jnp.arange(int(config.num_seeds)))
+    jnp.arange(int(config.num_seeds))
+  )
   return keys[:, 0], keys[:, 1]
 
 
@@ -131,8 +134,7 @@ def make_instances(config, family: str) -> bandit_lib.Bandit:
   """A batch of `num_seeds` instances of one family (leading axis = run)."""
   instance_keys, _ = _seed_keys(config)
   make = instances.get_family(family)
-  shape = (int(config.num_contexts), int(config.num_actions),
-           int(config.num_turns))
+  shape = (int(config.num_contexts), int(config.num_actions), int(config.num_turns))
   return jax.jit(jax.vmap(lambda k: make(k, *shape)))(instance_keys)
 
 
@@ -152,12 +154,11 @@ def make_setting_fn(config, algorithm: str):
 @functools.lru_cache(maxsize=64)
 def _cached_setting_fn(static_json: str, algorithm: str):
   config = ml_collections.ConfigDict(json.loads(static_json))
-  enum = bandit_lib.enumerate_bandit(int(config.num_contexts),
-                                     int(config.num_actions),
-                                     int(config.num_turns))
+  enum = bandit_lib.enumerate_bandit(
+    int(config.num_contexts), int(config.num_actions), int(config.num_turns)
+  )
   policy = policies.get_policy(config.policy, enum)
-  train = algorithms.make_train_fn(config, enum, policy,
-                                   algorithms.get_algorithm(algorithm))
+  train = algorithms.make_train_fn(config, enum, policy, algorithms.get_algorithm(algorithm))
 
   def _one_run(bandit, key, lr):
     out = train(key, bandit, lr)
@@ -167,14 +168,12 @@ def _cached_setting_fn(static_json: str, algorithm: str):
   return jax.jit(jax.vmap(over_runs, in_axes=(None, None, 0)))
 
 
-def run_sweep(config: ml_collections.ConfigDict,
-              log=print) -> dict[tuple[str, str], SettingResult]:
+def run_sweep(config: ml_collections.ConfigDict, log=print) -> dict[tuple[str, str], SettingResult]:
   """Runs every (algorithm, family) on the grid; see module doc."""
   validate(config)
   lrs = learning_rates(config)
   _, train_keys = _seed_keys(config)
-  families = {f: make_instances(config, f)
-              for f in _names(config.families, "families")}
+  families = {f: make_instances(config, f) for f in _names(config.families, "families")}
   results = {}
   for algorithm in _names(config.algorithms, "algorithms"):
     setting_fn = make_setting_fn(config, algorithm)
@@ -183,8 +182,10 @@ def run_sweep(config: ml_collections.ConfigDict,
       curves = np.asarray(setting_fn(bandits, train_keys, jnp.asarray(lrs)))
       best = int(np.argmax(curves[:, :, -1].mean(1)))
       results[(algorithm, family)] = SettingResult(lrs, curves, best)
-      log(f"{algorithm:>16s} on {family:<7s} {time.perf_counter() - start:5.1f}"
-          f" s (lr grid {lrs.tolist()}, best {lrs[best]:g})")
+      log(
+        f"{algorithm:>16s} on {family:<7s} {time.perf_counter() - start:5.1f}"
+        f" s (lr grid {lrs.tolist()}, best {lrs[best]:g})"
+      )
   return results
 
 
@@ -194,8 +195,9 @@ def table(results: dict[tuple[str, str], SettingResult]) -> str:
   for family in dict.fromkeys(f for _, f in results):
     for (algorithm, fam), r in results.items():
       if fam == family:
-        rows.append((algorithm, family, float(r.learning_rates[r.best]),
-                     report.summarise(r.best_curves)))
+        rows.append(
+          (algorithm, family, float(r.learning_rates[r.best]), report.summarise(r.best_curves))
+        )
   return report.format_table(rows)
 
 
@@ -203,15 +205,16 @@ def describe(config: ml_collections.ConfigDict) -> str:
   """One paragraph with the setting, for the top of the output."""
   b = config.num_contexts * config.group_size
   return (
-      f"{config.num_turns}-turn bandit, {config.num_contexts} contexts, "
-      f"{config.num_actions} actions, {config.policy} policy; "
-      f"{config.num_iterations} iterations x {b} rollouts "
-      f"({config.group_size} per context); {config.epochs_per_turn} epochs x "
-      f"{config.minibatches_per_turn} minibatches per turn (per iteration for "
-      f"simultaneous updates, 1 x 1 for REINFORCE/RLOO); clip "
-      f"{config.clip_eps}, correction clip {config.correction_clip}, gamma "
-      f"{config.gamma}; {config.num_seeds} seeds (seed {config.seed}); SGD, "
-      f"learning-rate grid {learning_rates(config).tolist()}, best per row.")
+    f"{config.num_turns}-turn bandit, {config.num_contexts} contexts, "
+    f"{config.num_actions} actions, {config.policy} policy; "
+    f"{config.num_iterations} iterations x {b} rollouts "
+    f"({config.group_size} per context); {config.epochs_per_turn} epochs x "
+    f"{config.minibatches_per_turn} minibatches per turn (per iteration for "
+    f"simultaneous updates, 1 x 1 for REINFORCE/RLOO); clip "
+    f"{config.clip_eps}, correction clip {config.correction_clip}, gamma "
+    f"{config.gamma}; {config.num_seeds} seeds (seed {config.seed}); SGD, "
+    f"learning-rate grid {learning_rates(config).tolist()}, best per row."
+  )
 
 
 def main(config: ml_collections.ConfigDict, workdir: str) -> str:
@@ -223,9 +226,10 @@ def main(config: ml_collections.ConfigDict, workdir: str) -> str:
   with open(os.path.join(workdir, "table.md"), "w", encoding="utf-8") as f:
     f.write(text + "\n")
   np.savez_compressed(
-      os.path.join(workdir, "curves.npz"),
-      **{f"{a}__{f}": r.curves for (a, f), r in results.items()},
-      learning_rates=learning_rates(config))
+    os.path.join(workdir, "curves.npz"),
+    **{f"{a}__{f}": r.curves for (a, f), r in results.items()},
+    learning_rates=learning_rates(config),
+  )
   for family in dict.fromkeys(f for _, f in results):
     curves = {a: r.best_curves for (a, f), r in results.items() if f == family}
     path = os.path.join(workdir, f"curves_{family}.png")
