@@ -214,7 +214,7 @@ def main():
     "cpu_cores": len(os.sched_getaffinity(0)),
     "chunk": args.chunk,
     "jax_compile_s": round(compile_s, 2),
-    "jax_step_s": round(statistics.median(jax_times), 4),
+    "jax_step_s": round(statistics.median(jax_times), 6),
     "jax_tokens_per_s": round(tokens / statistics.median(jax_times), 1),
     "jax_cores_busy": round(cpu_s["jax"] / sum(jax_times), 2),
     "load_avg_1min": round(os.getloadavg()[0], 2),
@@ -223,7 +223,7 @@ def main():
     result["torch_attn"] = args.torch_attn
     result["torch_threads"] = __import__("torch").get_num_threads()
     torch_times = times["torch"]
-    result["torch_step_s"] = round(statistics.median(torch_times), 4)
+    result["torch_step_s"] = round(statistics.median(torch_times), 6)
     result["torch_tokens_per_s"] = round(tokens / statistics.median(torch_times), 1)
     result["torch_cores_busy"] = round(cpu_s["torch"] / sum(torch_times), 2)
     result["ratio_jax_over_torch"] = round(

@@ -1,0 +1,125 @@
+"""`TrainState`: what the learner carries from one update to the next."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from seeupo_jax import sharding as sharding_lib
+
+Params = Any
+
+
+@flax.struct.dataclass
+class TrainState:
+  """The learner's state (a pytree; jit donates it).
+
+  Attributes:
+    params: the policy's params.
+    opt_state: the optax state of `params`.
+    ref_params: the frozen reference policy of the KL penalty, or None.
+    critic_params: PPO's critic (a separate model, see `qwen_fns.qwen_value_fn`), or None.
+    critic_opt_state: the optax state of `critic_params`, or None.
+    step: int32 scalar, update calls done (training iterations).
+    optimizer_steps: int32 scalar, optimizer steps applied so far.
+    skipped_updates: int32 scalar, optimizer steps skipped so far because the
+      loss or a gradient was not finite (the state was left as it was).
+  """
+
+  params: Params
+  opt_state: optax.OptState
+  ref_params: Optional[Params]
+  critic_params: Optional[Params]
+  critic_opt_state: Optional[optax.OptState]
+  step: jax.Array
+  optimizer_steps: jax.Array
+  skipped_updates: jax.Array
+
+
+def _replicated_like(tree) -> Any:
+  """The replicated sharding on the devices of the first leaf of `tree`."""
+  leaf = jax.tree.leaves(tree)[0]
+  sharding = getattr(leaf, "sharding", None)
+  if isinstance(sharding, NamedSharding):
+    return NamedSharding(sharding.mesh, P())
+  if sharding is not None:
+    return sharding
+  return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, params: Params) -> Any:
+  """Shardings of `optimizer.init(params)`: each params-like leaf (Adam's moments, ...)
+  on its parameter's sharding, everything else (counts, hyper-parameters) replicated."""
+  shapes = jax.eval_shape(optimizer.init, params)
+  param_shardings = jax.tree.map(lambda p: p.sharding, params)
+  replicated = _replicated_like(params)
+  return optax.tree_map_params(
+    optimizer, lambda _, s: s, shapes, param_shardings, transform_non_params=lambda _: replicated
+  )
+
+
+def _init_opt_state(optimizer: optax.GradientTransformation, params: Params) -> optax.OptState:
+  """optimizer.init(params), created directly on the params' shardings (never gathered)."""
+  if not all(isinstance(p, jax.Array) for p in jax.tree.leaves(params)):
+    return optimizer.init(params)
+  return jax.jit(optimizer.init, out_shardings=opt_state_shardings(optimizer, params))(params)
+
+
+def init_state(
+  params: Params,
+  optimizer: optax.GradientTransformation,
+  ref_params: Optional[Params] = None,
+  *,
+  critic_params: Optional[Params] = None,
+  critic_optimizer: Optional[optax.GradientTransformation] = None,
+) -> TrainState:
+  """The state before the first update.
+
+  Args:
+    params: the policy's params, already on their shardings (e.g. from
+      `checkpoint.load(dir, mesh)` or `shard_params`).
+    optimizer: any `optax.GradientTransformation`.
+    ref_params: the reference policy for the KL penalty (usually `params`
+      itself: jax arrays are immutable and the update donates only the
+      state's own buffers, so passing the same tree is safe); None disables
+      the penalty (then `LearnerConfig.kl_coef` must be 0).
+    critic_params: PPO's critic params (`algorithm="ppo"` only).
+    critic_optimizer: the critic's optimizer (required with critic_params).
+
+  Returns:
+    A `TrainState` with step 0.
+  """
+  if (critic_params is None) != (critic_optimizer is None):
+    raise ValueError(
+      "init_state: pass critic_params and critic_optimizer together (PPO), or neither"
+    )
+  if ref_params is not None:
+    # A separate copy: the update donates the state, and params and ref_params must not alias.
+    ref_params = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, ref_params)
+  return TrainState(
+    params=params,
+    opt_state=_init_opt_state(optimizer, params),
+    ref_params=ref_params,
+    critic_params=critic_params,
+    critic_opt_state=None
+    if critic_params is None
+    else _init_opt_state(critic_optimizer, critic_params),
+    step=jnp.zeros((), jnp.int32),
+    optimizer_steps=jnp.zeros((), jnp.int32),
+    skipped_updates=jnp.zeros((), jnp.int32),
+  )
+
+
+def shard_params(params: Params, mesh: Mesh) -> Params:
+  """Places params on `mesh` by the model's partition rules (`sharding.param_shardings`)."""
+  return jax.device_put(params, sharding_lib.param_shardings(params, mesh))
+
+
+def state_shardings(state: TrainState) -> TrainState:
+  """The sharding of every leaf of `state` (for `jax.jit(..., out_shardings=...)`)."""
+  return jax.tree.map(lambda x: x.sharding, state)

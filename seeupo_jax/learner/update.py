@@ -1,0 +1,517 @@
+"""The learner's update: one jitted call per training iteration.
+
+`make_update(logprob_fn, optimizer, config)` binds everything static and
+returns `update(state, batch, key) -> (state, metrics)`. The update reads like
+the paper's algorithm box (SeeUPO, `config.algorithm == "seeupo"`):
+
+    A   <- GRAE advantages of the trajectories               (objectives.trajectory_advantages)
+    M   <- 1 for every trajectory
+    for t in update_order(T):                                 (lax.scan: _update_turn)
+      old_logp <- log pi(turn t's tokens) at the current params   (carried from the last turn)
+      epochs x mini-batches of optax steps on                 (_optimise -> _epoch -> _minibatch_step)
+        sequence_clip_loss(turn t, A * M) + kl_coef * KL(turn t)
+      M   <- clip(M * clip(s_t, 1 -+ c), 1 -+ c)              (losses.seeupo_correction)
+
+The baselines (grpo, gspo, reinforce, rloo, ppo) run the same `_optimise` once
+on all turns. Everything is indexed by trajectory row: M, advantages and
+log-probs never move between rows, and a mini-batch is a gather of whole rows.
+
+A turn that no trajectory has is skipped by `lax.cond`: params and optimizer
+state stay bit-identical. A mini-batch without tokens of the turn, or whose
+loss or gradient is not finite, takes no optimizer step (the latter is counted
+in `skipped_updates`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from seeupo_jax import losses
+from seeupo_jax.learner import batch as batch_lib
+from seeupo_jax.learner import objectives
+from seeupo_jax.learner.batch import Batch
+from seeupo_jax.learner.config import LearnerConfig
+from seeupo_jax.learner.state import TrainState
+
+Array = jax.Array
+Params = Any
+LogprobFn = Callable[[Params, Batch], Array]
+"""logprob_fn(params, batch) -> float32[N, L]: entry [i, j] = log pi(tokens[i, j] | tokens[i, :j]),
+0 where j predicts nothing."""
+ValueFn = Callable[[Params, Batch], Array]
+"""value_fn(critic_params, batch) -> float32[N, L]: the critic's value of the state before token j."""
+
+
+class UpdateFns(NamedTuple):
+  """What `make_update` binds: the model functions, the optimizers and the config (static)."""
+
+  logprob_fn: LogprobFn
+  optimizer: optax.GradientTransformation
+  config: LearnerConfig
+  value_fn: Optional[ValueFn] = None
+  critic_optimizer: Optional[optax.GradientTransformation] = None
+
+
+class StepStats(NamedTuple):
+  """Per optimizer step statistics, each float32 [...] over (epochs, mini-batches).
+
+  `ran` is 1 where the step was applied; `skipped` is 1 where it was not
+  because the loss or gradient was not finite. The others are that step's
+  values (0 where the mini-batch had no tokens).
+  """
+
+  loss: Array
+  pg_loss: Array
+  kl: Array
+  clip_fraction: Array
+  ratio_mean: Array
+  approx_kl: Array
+  grad_norm: Array
+  value_loss: Array
+  value_error: Array
+  ran: Array
+  skipped: Array
+
+  @classmethod
+  def zeros(cls, shape) -> "StepStats":
+    return cls(*[jnp.zeros(shape, jnp.float32) for _ in cls._fields])
+
+  def mean_over_applied(self) -> dict[str, Array]:
+    """Each statistic's mean over the steps that were applied (0 if none)."""
+    weight = self.ran
+    count = jnp.maximum(jnp.sum(weight), 1.0)
+    out = {
+      name: jnp.sum(getattr(self, name) * weight) / count
+      for name in self._fields
+      if name not in ("ran", "skipped")
+    }
+    out["optimizer_steps"] = jnp.sum(self.ran)
+    out["skipped_updates"] = jnp.sum(self.skipped)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward-only passes, in row chunks of the micro-batch size.
+
+
+def _micro_rows(config: LearnerConfig, num_rows: int) -> int:
+  parts = config.minibatches * config.microbatches
+  if num_rows % parts:
+    raise ValueError(
+      f"the batch has {num_rows} rows, which LearnerConfig.minibatches x .microbatches = "
+      f"{config.minibatches} x {config.microbatches} does not divide"
+    )
+  return num_rows // parts
+
+
+def _in_row_chunks(fn: Callable[[Batch], Array], batch: Batch, chunk_rows: int) -> Array:
+  """fn over the batch in chunks of `chunk_rows` rows ([N, L] out), chunk c = rows c, c + C, ...
+
+  Strided chunks keep every chunk spread over the devices that hold the rows.
+  """
+  n = batch.num_rows
+  if chunk_rows >= n:
+    return fn(batch)
+  num_chunks = n // chunk_rows
+  by_chunk = jax.tree.map(
+    lambda x: x.reshape((chunk_rows, num_chunks) + x.shape[1:]).swapaxes(0, 1), batch
+  )
+  out = jax.lax.map(fn, by_chunk)  # [C, R, L]
+  return out.swapaxes(0, 1).reshape((n,) + out.shape[2:])
+
+
+def _logprobs(fns: UpdateFns, params: Params, batch: Batch) -> Array:
+  """float32[N, L] log-probs at `params`, no gradient."""
+  chunk = _micro_rows(fns.config, batch.num_rows)
+  logp = _in_row_chunks(lambda b: fns.logprob_fn(params, b), batch, chunk)
+  return jax.lax.stop_gradient(logp.astype(jnp.float32))
+
+
+def _values(fns: UpdateFns, critic_params: Params, batch: Batch) -> Array:
+  """float32[N, L] critic values at `critic_params`, no gradient."""
+  chunk = _micro_rows(fns.config, batch.num_rows)
+  values = _in_row_chunks(lambda b: fns.value_fn(critic_params, b), batch, chunk)
+  return jax.lax.stop_gradient(values.astype(jnp.float32))
+
+
+_LOSS_METRICS = (
+  "loss",
+  "pg_loss",
+  "kl",
+  "clip_fraction",
+  "ratio_mean",
+  "approx_kl",
+  "value_loss",
+  "value_error",
+)
+
+# ----------------------------------------------------------------------------------------------
+# The optimisation ladder: _optimise -> _epoch -> _minibatch_step -> _micro_grads.
+
+
+def _take(inputs: objectives.LossInputs, rows: Array) -> objectives.LossInputs:
+  return jax.tree.map(lambda x: x[rows], inputs)
+
+
+def _micro_grads(fns: UpdateFns, state: TrainState, batch: Batch, inputs, denominators, rows):
+  """Gradient of one micro-batch's share of the mini-batch loss.
+
+  Each micro-batch's loss is weighted by its share of the mini-batch's
+  aggregation denominator, so the micro-batch gradients add up to the
+  mini-batch gradient exactly.
+
+  Returns:
+    ((policy grads, critic grads), weighted loss, weighted metrics dict).
+  """
+  config = fns.config
+  sub_batch = batch_lib.take_rows(batch, rows)
+  sub = _take(inputs, rows)
+  policy_denominator, token_denominator = denominators
+  weight = objectives.aggregation_denominator(sub.mask, config.agg) / jnp.maximum(
+    policy_denominator, 1.0
+  )
+  token_weight = jnp.sum(sub.mask) / jnp.maximum(token_denominator, 1.0)
+
+  def loss_fn(params, critic_params):
+    logp = fns.logprob_fn(params, sub_batch)
+    loss, metrics = objectives.policy_loss(logp, sub, config)
+    metrics = {name: weight * value for name, value in metrics.items()}
+    total = weight * loss
+    if critic_params is not None:
+      values = fns.value_fn(critic_params, sub_batch)
+      value_loss, value_metrics = objectives.critic_loss(values, sub, config)
+      total = total + token_weight * value_loss
+      metrics["value_loss"] = token_weight * value_loss
+      metrics["value_error"] = token_weight * value_metrics["value_error"]
+    else:
+      metrics["value_loss"] = metrics["value_error"] = jnp.zeros((), jnp.float32)
+    metrics["loss"] = weight * loss
+    return total, metrics
+
+  (total, metrics), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+    state.params, state.critic_params
+  )
+  return grads, total, metrics
+
+
+def _apply_gradients(fns: UpdateFns, state: TrainState, grads) -> TrainState:
+  """One optimizer step of the policy (and of the critic, for PPO)."""
+  policy_grads, critic_grads = grads
+  updates, opt_state = fns.optimizer.update(policy_grads, state.opt_state, state.params)
+  state = state.replace(
+    params=optax.apply_updates(state.params, updates),
+    opt_state=opt_state,
+    optimizer_steps=state.optimizer_steps + 1,
+  )
+  if state.critic_params is not None:
+    updates, critic_opt_state = fns.critic_optimizer.update(
+      critic_grads, state.critic_opt_state, state.critic_params
+    )
+    state = state.replace(
+      critic_params=optax.apply_updates(state.critic_params, updates),
+      critic_opt_state=critic_opt_state,
+    )
+  return state
+
+
+def _minibatch_step(fns: UpdateFns, batch: Batch, inputs, state: TrainState, rows: Array):
+  """One optimizer step on the rows `rows` (int32[microbatches, R]).
+
+  The step is taken only if the mini-batch has tokens to train on and its loss
+  and gradient are finite; otherwise the state is returned unchanged (a
+  non-finite step is counted in `skipped_updates`).
+  """
+  config = fns.config
+  masks = inputs.mask[rows]  # [micro, R, L]
+  denominators = (
+    jnp.sum(jax.vmap(lambda m: objectives.aggregation_denominator(m, config.agg))(masks)),
+    jnp.sum(masks),
+  )
+
+  def accumulate(carry, micro_rows):
+    grads_sum, loss_sum, metrics_sum = carry
+    grads, loss, metrics = _micro_grads(fns, state, batch, inputs, denominators, micro_rows)
+    grads_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_sum, grads)
+    metrics_sum = {name: metrics_sum[name] + metrics[name] for name in _LOSS_METRICS}
+    return (grads_sum, loss_sum + loss, metrics_sum), None
+
+  grads_zero = jax.tree.map(
+    lambda p: jnp.zeros(p.shape, jnp.float32), (state.params, state.critic_params)
+  )
+  metrics_zero = {name: jnp.zeros((), jnp.float32) for name in _LOSS_METRICS}
+  (grads, total, metrics), _ = jax.lax.scan(
+    accumulate, (grads_zero, jnp.zeros((), jnp.float32), metrics_zero), rows
+  )
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, (state.params, state.critic_params))
+  grad_norm = optax.global_norm(grads)
+  has_tokens = denominators[0] > 0
+  finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+  apply = has_tokens & finite
+  state = jax.lax.cond(
+    apply, functools.partial(_apply_gradients, fns), lambda s, g: s, state, grads
+  )
+  skipped = has_tokens & ~finite
+  state = state.replace(skipped_updates=state.skipped_updates + skipped.astype(jnp.int32))
+  stats = StepStats(
+    grad_norm=grad_norm,
+    ran=apply.astype(jnp.float32),
+    skipped=skipped.astype(jnp.float32),
+    **{name: metrics[name] for name in StepStats._fields if name in metrics},
+  )
+  return state, stats
+
+
+def _epoch(fns: UpdateFns, batch: Batch, inputs, state: TrainState, epoch_key: Array):
+  """One pass over the rows in a fresh random order, one optimizer step per mini-batch."""
+  config = fns.config
+  n = batch.num_rows
+  micro = _micro_rows(config, n)
+  permutation = jax.random.permutation(epoch_key, n).astype(jnp.int32)
+  rows = permutation.reshape(config.minibatches, config.microbatches, micro)
+  return jax.lax.scan(functools.partial(_minibatch_step, fns, batch, inputs), state, rows)
+
+
+def _optimise(fns: UpdateFns, state: TrainState, batch: Batch, inputs, key: Array):
+  """`epochs` x `minibatches` optimizer steps on `inputs` (a `LossInputs` over all N rows).
+
+  Returns:
+    (state, StepStats of shape [epochs, minibatches]).
+  """
+  epoch_keys = jax.random.split(key, fns.config.epochs)
+  return jax.lax.scan(functools.partial(_epoch, fns, batch, inputs), state, epoch_keys)
+
+
+# ----------------------------------------------------------------------------------------------
+# SeeUPO's turn loop.
+
+
+class TurnCarry(NamedTuple):
+  """Carry of the turn scan.
+
+  state: the `TrainState`.
+  correction: float32[N], the HAML factor M of each trajectory.
+  logp: float32[N, L], log-probs at `state.params` (the next turn's old log-probs).
+  """
+
+  state: TrainState
+  correction: Array
+  logp: Array
+
+
+def _correction_stats(correction: Array, rows: Array, config: LearnerConfig) -> dict[str, Array]:
+  """M statistics over the rows that have the turn (rows: bool[N])."""
+  weight = rows.astype(jnp.float32)
+  count = jnp.maximum(jnp.sum(weight), 1.0)
+  low, high = 1.0 - config.correction_clip_low, 1.0 + config.correction_clip_high
+  at_bound = (jnp.abs(correction - low) < 1e-6) | (jnp.abs(correction - high) < 1e-6)
+  return {
+    "M_mean": jnp.sum(correction * weight) / count,
+    "M_min": jnp.min(jnp.where(rows, correction, jnp.inf)),
+    "M_max": jnp.max(jnp.where(rows, correction, -jnp.inf)),
+    "M_clipped": jnp.sum(at_bound * weight) / count,
+  }
+
+
+def _update_turn(fns, batch, advantages, ref_logp, turn_key, last_position, carry: TurnCarry, xs):
+  """Updates one turn (virtual agent) if any trajectory has it; see the module doc."""
+  config = fns.config
+  position, turn = xs
+  mask = batch_lib.turn_mask(batch, turn)
+  rows = jnp.any(mask > 0, axis=1)
+  has_turn = jnp.any(rows)
+
+  def run(carry: TurnCarry):
+    old_logp = carry.logp
+    inputs = objectives.LossInputs(old_logp, ref_logp, advantages * carry.correction, mask)
+    state, stats = _optimise(fns, carry.state, batch, inputs, jax.random.fold_in(turn_key, turn))
+    # The log-probs after this turn's update are the next turn's old log-probs: one forward
+    # pass serves both (none after the last turn, whose M is never used).
+    logp = jax.lax.cond(
+      position == last_position, lambda: old_logp, lambda: _logprobs(fns, state.params, batch)
+    )
+    correction = carry.correction
+    if config.correction:
+      correction = losses.seeupo_correction(
+        correction,
+        logp,
+        old_logp,
+        mask,
+        clip_low=config.correction_clip_low,
+        clip_high=config.correction_clip_high,
+      )
+    return TurnCarry(state, correction, logp), stats
+
+  def skip(carry: TurnCarry):
+    return carry, StepStats.zeros((config.epochs, config.minibatches))
+
+  new_carry, stats = jax.lax.cond(has_turn, run, skip, carry)
+  metrics = stats.mean_over_applied()
+  metrics.update(_correction_stats(carry.correction, rows, config))
+  metrics["trajectories"] = jnp.sum(rows.astype(jnp.float32))
+  return new_carry, metrics
+
+
+def _sequential_update(fns, state, batch, advantages, logp, ref_logp, key):
+  """SeeUPO: the turn scan. Returns (state, per-turn metrics {name: float32[T]})."""
+  config = fns.config
+  order_key, turn_key = jax.random.split(key)
+  order = losses.update_order(
+    config.num_turns,
+    config.order,
+    key=order_key if config.order == "random" else None,
+    custom=config.custom_order or None,
+  )
+  has_turn = jnp.stack(
+    [jnp.any(batch_lib.turn_mask(batch, t) > 0) for t in range(config.num_turns)]
+  )  # [T] by turn id (T small compares; no model work)
+  has_turn_in_order = has_turn[order]
+  positions = jnp.arange(config.num_turns, dtype=jnp.int32)
+  last_position = jnp.max(jnp.where(has_turn_in_order, positions, -1))
+  body = functools.partial(_update_turn, fns, batch, advantages, ref_logp, turn_key, last_position)
+  carry = TurnCarry(state, jnp.ones((batch.num_rows,), jnp.float32), logp)
+  carry, per_position = jax.lax.scan(body, carry, (positions, order))
+  # Scan outputs are in update order; index them by turn id.
+  per_turn = jax.tree.map(lambda v: jnp.zeros_like(v).at[order].set(v), per_position)
+  return carry.state, per_turn, has_turn
+
+
+# ----------------------------------------------------------------------------------------------
+# The update.
+
+
+def _sample_gap(batch: Batch, logp: Array, mask: Array) -> dict[str, Array]:
+  """|sampler log-prob - learner log-prob| over generated tokens (0 in f32; bf16/sharding drift)."""
+  gap = jnp.abs(batch.sample_logp.astype(jnp.float32) - logp) * mask
+  return {
+    "sample_logp_gap_mean": jnp.sum(gap) / jnp.maximum(jnp.sum(mask), 1.0),
+    "sample_logp_gap_max": jnp.max(gap),
+  }
+
+
+def update(fns: UpdateFns, state: TrainState, batch: Batch, key: Array):
+  """One training iteration; see the module doc and `make_update`."""
+  config = fns.config
+  batch_lib.check_shapes(batch)
+  if config.kl_coef > 0 and state.ref_params is None:
+    raise ValueError(
+      "LearnerConfig.kl_coef > 0 needs reference params: init_state(params, optimizer, "
+      "ref_params=params), or set kl_coef=0"
+    )
+  if (config.algorithm == "ppo") != (state.critic_params is not None):
+    raise ValueError(
+      "algorithm='ppo' needs a critic (init_state(..., critic_params=..., critic_optimizer=...) "
+      "and make_update(..., value_fn=..., critic_optimizer=...)); other algorithms take none"
+    )
+  mask = batch_lib.generated_mask(batch, config.num_turns)
+  logp = _logprobs(fns, state.params, batch)
+  ref_logp = None
+  if config.kl_coef > 0:
+    ref_logp = _logprobs(fns, state.ref_params, batch)
+  metrics = _sample_gap(batch, logp, mask)
+
+  if config.algorithm == "ppo":
+    old_values = _values(fns, state.critic_params, batch)
+    advantages, returns = objectives.ppo_advantages(batch.rewards, old_values, mask, config)
+    inputs = objectives.LossInputs(logp, ref_logp, advantages, mask, old_values, returns)
+    state, stats = _optimise(fns, state, batch, inputs, key)
+    metrics.update(stats.mean_over_applied())
+    advantage_rows = advantages
+  else:
+    advantages = objectives.trajectory_advantages(
+      batch.rewards, batch.group_ids, batch.row_valid, config
+    )
+    advantage_rows = advantages[:, None] * mask
+    if config.sequential:
+      state, per_turn, has_turn = _sequential_update(
+        fns, state, batch, advantages, logp, ref_logp, key
+      )
+      metrics.update({f"turn/{name}": value for name, value in per_turn.items()})
+      turns = jnp.maximum(jnp.sum(has_turn), 1)
+      for name, value in per_turn.items():
+        if name in ("optimizer_steps", "skipped_updates", "trajectories"):
+          metrics[name] = jnp.sum(value)
+        elif name not in ("M_min", "M_max"):
+          metrics[name] = jnp.sum(jnp.where(has_turn, value, 0.0)) / turns
+      metrics["M_min"] = jnp.min(jnp.where(has_turn, per_turn["M_min"], jnp.inf))
+      metrics["M_max"] = jnp.max(jnp.where(has_turn, per_turn["M_max"], -jnp.inf))
+      metrics["turns_updated"] = jnp.sum(has_turn)
+    else:
+      inputs = objectives.LossInputs(logp, ref_logp, advantages, mask)
+      state, stats = _optimise(fns, state, batch, inputs, key)
+      metrics.update(stats.mean_over_applied())
+
+  tokens = jnp.maximum(jnp.sum(mask), 1.0)
+  metrics["advantage_abs_mean"] = jnp.sum(jnp.abs(advantage_rows) * mask) / tokens
+  metrics["generated_tokens"] = jnp.sum(mask)
+  return state.replace(step=state.step + 1), metrics
+
+
+def make_update(
+  logprob_fn: LogprobFn,
+  optimizer: optax.GradientTransformation,
+  config: LearnerConfig,
+  *,
+  value_fn: Optional[ValueFn] = None,
+  critic_optimizer: Optional[optax.GradientTransformation] = None,
+  jit: bool = True,
+  donate: bool = True,
+):
+  """Builds the learner's update for one model, one optimizer and one config.
+
+  Args:
+    logprob_fn: (params, Batch) -> float32[N, L], entry [i, j] = log pi(tokens[i, j] |
+      tokens[i, :j]) (0 where j predicts nothing), differentiable in params. For Qwen
+      models use `qwen_logprob_fn(model_config, temperature=...)`.
+    optimizer: any optax transformation (e.g. `default_optimizer()`: AdamW lr 1e-6,
+      weight decay 0.01, grad-norm clip 1.0).
+    config: the `LearnerConfig`.
+    value_fn: PPO only: (critic_params, Batch) -> float32[N, L] values.
+    critic_optimizer: PPO only: the critic's optax transformation.
+    jit: return the update under `jax.jit` (False: the raw function, e.g. to vmap it).
+    donate: donate the state's buffers to the jitted call (the input state is
+      invalid afterwards).
+
+  Returns:
+    update(state: TrainState, batch: Batch, key: PRNGKey) -> (TrainState, metrics), where
+    metrics is a dict of float32 arrays: scalars for every algorithm ("loss", "pg_loss",
+    "kl", "clip_fraction", "ratio_mean", "approx_kl", "grad_norm", "optimizer_steps",
+    "skipped_updates", "sample_logp_gap_mean"/"_max", ...) and, for SeeUPO, per-turn
+    float32[T] arrays under "turn/<name>" (indexed by turn id) including the M
+    statistics "turn/M_mean", "turn/M_min", "turn/M_max", "turn/M_clipped" of the M
+    each turn was weighted with.
+
+  Sharding: place params/optimizer state on their shardings (`init_state` keeps
+  those of the params it gets) and the batch with `shard_batch(batch, mesh)`; call
+  the update under `jax.set_mesh(mesh)` so the model's activation constraints apply.
+  """
+  if not isinstance(config, LearnerConfig):
+    raise TypeError(f"config must be a LearnerConfig, got {type(config).__name__}")
+  if (config.algorithm == "ppo") != (value_fn is not None and critic_optimizer is not None):
+    raise ValueError(
+      "make_update: algorithm='ppo' needs value_fn and critic_optimizer (e.g. "
+      "learner.qwen_value_fn(model_config) and an optax optimizer); other algorithms take neither"
+    )
+  fns = UpdateFns(logprob_fn, optimizer, config, value_fn, critic_optimizer)
+  step = functools.partial(update, fns)
+  if not jit:
+    return step
+  return jax.jit(step, donate_argnums=(0,) if donate else ())
+
+
+def default_optimizer(
+  learning_rate: float = 1e-6,
+  weight_decay: float = 0.01,
+  max_grad_norm: float = 1.0,
+  b1: float = 0.9,
+  b2: float = 0.999,
+) -> optax.GradientTransformation:
+  """The authors' optimizer: global-norm clip, then AdamW (constant learning rate)."""
+  return optax.chain(
+    optax.clip_by_global_norm(max_grad_norm),
+    optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay),
+  )
