@@ -38,6 +38,7 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
   (r"attn/[qkv]_proj/kernel$", P(None, "fsdp", "tensor")),  # [L, D, N*hd]
   (r"attn/[qkv]_proj/bias$", P(None, "tensor")),  # [L, N*hd]
   (r"attn/o_proj/kernel$", P(None, "tensor", "fsdp")),  # [L, H*hd, D]
+  (r"attn/o_proj/bias$", P(None, None)),  # [L, D], Qwen3 with attention_bias only
   (r"mlp/(gate|up)_proj/kernel$", P(None, "fsdp", "tensor")),  # [L, D, F]
   (r"mlp/down_proj/kernel$", P(None, "tensor", "fsdp")),  # [L, F, D]
   (r"scale$", P()),  # norms

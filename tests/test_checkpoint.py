@@ -3,6 +3,8 @@
 import functools
 import json
 import os
+import re
+import shutil
 import tempfile
 
 import jax
@@ -86,9 +88,13 @@ class SafetensorsIOTest(parameterized.TestCase):
 
 
 class SaveLoadTest(parameterized.TestCase):
-  @parameterized.parameters(("qwen3-tiny", 10**9), ("qwen2-tiny-tied", 20_000))
-  def test_round_trip_is_exact(self, name, max_shard_bytes):
-    config = config_lib.get_preset(name)
+  @parameterized.parameters(
+    ("qwen3-tiny", 10**9, {}),
+    ("qwen2-tiny-tied", 20_000, {}),
+    ("qwen3-tiny", 20_000, {"attention_bias": True}),
+  )
+  def test_round_trip_is_exact(self, name, max_shard_bytes, changes):
+    config = config_lib.get_preset(name).replace(**changes)
     params = _random_params(config, seed=0)
     directory = _tmp_dir(self)
     files = checkpoint.save(params, config, directory, max_shard_bytes=max_shard_bytes)
@@ -99,7 +105,9 @@ class SaveLoadTest(parameterized.TestCase):
         index = json.load(f)
       # Per layer: 2 norms, 4 attention and 3 MLP kernels, 3 q/k/v biases (qwen2) or
       # 2 q/k norms (qwen3); plus embedding, final norm and the untied lm_head.
+      # Qwen3 with attention_bias also has an o_proj bias.
       per_layer = 9 + (3 if config.attention_bias else 0) + (2 if config.qk_norm else 0)
+      per_layer += int(config.o_proj_bias)
       n_tensors = 3 + per_layer * config.num_layers - int(config.tie_word_embeddings)
       self.assertLen(index["weight_map"], n_tensors)
       self.assertEqual(sorted(set(index["weight_map"].values())), sorted(files))
@@ -149,6 +157,81 @@ class SaveLoadTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "intermediate|mlp"):
       checkpoint.load_params(directory, config.replace(intermediate_size=96))
 
+  def test_qwen3_attention_bias_has_o_proj_bias(self):
+    """Qwen3 attention_bias=True: q/k/v AND o_proj biases (as transformers); Qwen2: q/k/v only."""
+    config = config_lib.get_preset("qwen3-tiny").replace(attention_bias=True)
+    self.assertTrue(config.o_proj_bias)
+    self.assertFalse(config_lib.get_preset("qwen2-tiny").o_proj_bias)
+    self.assertFalse(config_lib.get_preset("qwen3-tiny").o_proj_bias)
+    self.assertEqual(config_lib.ModelConfig.from_hf_dict(config.to_hf_dict()), config)
+    shapes = qwen.params_shape(config)
+    self.assertEqual(shapes["layers"]["attn"]["o_proj"]["bias"].shape, (2, config.hidden_size))
+    self.assertNotIn(
+      "bias", qwen.params_shape(config_lib.get_preset("qwen2-tiny"))["layers"]["attn"]["o_proj"]
+    )
+    directory = _tmp_dir(self)
+    checkpoint.save(_random_params(config, seed=4), config, directory)
+    reader = safetensors_io.SafetensorsReader(os.path.join(directory, "model.safetensors"))
+    self.assertIn("model.layers.1.self_attn.o_proj.bias", list(reader.keys()))
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    loaded = checkpoint.load_params(directory, config, mesh)
+    self.assertEqual(
+      loaded["layers"]["attn"]["o_proj"]["bias"].sharding.spec,
+      jax.sharding.PartitionSpec(None, None),
+    )
+
+  @parameterized.named_parameters(
+    ("made_up_tensor", "qwen2-tiny", "model.extra.weight", lambda t: t["model.norm.weight"]),
+    (
+      "o_proj_bias_in_qwen2",
+      "qwen2-tiny",
+      "model.layers.0.self_attn.o_proj.bias",
+      lambda t: t["model.norm.weight"],
+    ),
+    (
+      "tied_lm_head_differs",
+      "qwen2-tiny-tied",
+      "lm_head.weight",
+      lambda t: t["model.embed_tokens.weight"] + 1.0,
+    ),
+  )
+  def test_unused_tensor_is_rejected(self, name, extra_name, make_extra):
+    config = config_lib.get_preset(name)
+    directory = _tmp_dir(self)
+    checkpoint.save(_random_params(config, seed=5), config, directory)
+    out = directory_with(directory, {extra_name: make_extra}, self)
+    with self.assertRaisesRegex(ValueError, re.escape(extra_name)):
+      checkpoint.load(out)
+
+  def test_many_unused_tensors_are_listed_and_counted(self):
+    config = config_lib.get_preset("qwen3-tiny")
+    directory = _tmp_dir(self)
+    checkpoint.save(_random_params(config, seed=6), config, directory)
+    extra = {f"model.extra_{i:02d}.weight": lambda t: t["model.norm.weight"] for i in range(13)}
+    out = directory_with(directory, extra, self)
+    with self.assertRaisesRegex(ValueError, r"13 tensors.*model\.extra_00\.weight") as ctx:
+      checkpoint.load_params(out, config)
+    self.assertNotIn("model.extra_12.weight", str(ctx.exception))
+
+  def test_tolerated_extra_tensors(self):
+    """inv_freq buffers (derived) and a tied lm_head.weight equal to the embedding load."""
+    config = config_lib.get_preset("qwen2-tiny-tied")
+    params = _random_params(config, seed=7)
+    directory = _tmp_dir(self)
+    checkpoint.save(params, config, directory)
+    head_dim = config.head_dim
+    extra = {
+      "lm_head.weight": lambda t: t["model.embed_tokens.weight"].copy(),
+      **{
+        f"model.layers.{i}.self_attn.rotary_emb.inv_freq": (
+          lambda t: np.ones((head_dim // 2,), np.float32)
+        )
+        for i in range(config.num_layers)
+      },
+    }
+    out = directory_with(directory, extra, self)
+    _assert_trees_equal(checkpoint.load_params(out, config), params)
+
   def test_bad_save_dtype(self):
     config = config_lib.get_preset("qwen3-tiny")
     with self.assertRaisesRegex(ValueError, "dtype"):
@@ -166,6 +249,20 @@ def directory_without(directory, tensor_name, test):
   return out
 
 
+def directory_with(directory, extra, test):
+  """A copy of the checkpoint in `directory` (config.json and one model.safetensors) with extra tensors.
+
+  Args:
+    extra: {name: fn(tensors) -> np.ndarray}, tensors the {name: array} dict of the original file.
+  """
+  tensors = safetensors.numpy.load_file(os.path.join(directory, "model.safetensors"))
+  tensors.update({name: make(tensors) for name, make in extra.items()})
+  out = _tmp_dir(test)
+  safetensors.numpy.save_file(tensors, os.path.join(out, "model.safetensors"))
+  shutil.copy(os.path.join(directory, "config.json"), out)
+  return out
+
+
 # ----------------------------------------------------------------------------- torch parity
 
 
@@ -176,8 +273,12 @@ class TorchParityTest(parameterized.TestCase):
     ("qwen3_tied_sharded", "qwen3", True, "40KB"),
     ("qwen2_untied_sharded", "qwen2", False, "40KB"),
     ("qwen2_tied_single", "qwen2", True, None),
+    # transformers' Qwen3 with attention_bias=True biases q/k/v and o_proj.
+    ("qwen3_attention_bias", "qwen3", False, "40KB", {"attention_bias": True}),
   )
-  def test_load_forward_save_matches_transformers(self, family, tied, max_shard_size):
+  def test_load_forward_save_matches_transformers(
+    self, family, tied, max_shard_size, overrides=None
+  ):
     torch = pytest.importorskip("torch")
     import transformers
 
@@ -185,7 +286,12 @@ class TorchParityTest(parameterized.TestCase):
 
     directory = _tmp_dir(self)
     _, model = hf_fixtures.make_hf_checkpoint(
-      directory, family, tie_word_embeddings=tied, max_shard_size=max_shard_size, seed=7
+      directory,
+      family,
+      tie_word_embeddings=tied,
+      max_shard_size=max_shard_size,
+      seed=7,
+      **(overrides or {}),
     )
     if max_shard_size:
       self.assertTrue(os.path.exists(os.path.join(directory, checkpoint.INDEX_FILE)))
@@ -211,8 +317,12 @@ class TorchParityTest(parameterized.TestCase):
       again = reloaded(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(again, expected, atol=1e-6, rtol=0)
 
-  @parameterized.named_parameters(("qwen3_untied", "qwen3", False), ("qwen2_tied", "qwen2", True))
-  def test_gradient_matches_transformers(self, family, tied):
+  @parameterized.named_parameters(
+    ("qwen3_untied", "qwen3", False),
+    ("qwen2_tied", "qwen2", True),
+    ("qwen3_attention_bias", "qwen3", False, {"attention_bias": True}),
+  )
+  def test_gradient_matches_transformers(self, family, tied, overrides=None):
     """Mean next-token NLL and its gradient for every parameter equal transformers' autograd.
 
     Covers the hand-written backward passes (block-causal attention in several query blocks,
@@ -225,7 +335,9 @@ class TorchParityTest(parameterized.TestCase):
     import hf_fixtures
 
     directory = _tmp_dir(self)
-    _, model = hf_fixtures.make_hf_checkpoint(directory, family, tie_word_embeddings=tied, seed=3)
+    _, model = hf_fixtures.make_hf_checkpoint(
+      directory, family, tie_word_embeddings=tied, seed=3, **(overrides or {})
+    )
     config, params = checkpoint.load(directory, attn_block_size=4, remat="dots")
     b, s = 4, 19
     ids = np.random.default_rng(1).integers(0, config.vocab_size, (b, s))

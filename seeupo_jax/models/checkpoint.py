@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Optional, Union
 
 import jax
@@ -42,6 +43,7 @@ LAYER_TENSORS = (
   (("attn", "v_proj", "kernel"), "self_attn.v_proj.weight", True),
   (("attn", "v_proj", "bias"), "self_attn.v_proj.bias", False),
   (("attn", "o_proj", "kernel"), "self_attn.o_proj.weight", True),
+  (("attn", "o_proj", "bias"), "self_attn.o_proj.bias", False),  # Qwen3 attention_bias only
   (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", False),
   (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", False),
   (("post_attn_norm", "scale"), "post_attention_layernorm.weight", False),
@@ -54,6 +56,13 @@ GLOBAL_TENSORS = (
   (("final_norm", "scale"), "model.norm.weight", False),
   (("lm_head", "kernel"), "lm_head.weight", True),
 )
+
+# Tensors some exports carry that the loader skips on purpose: the rotary `inv_freq` buffers
+# (old transformers saved them per layer) are derived from rope_theta and head_dim, which
+# config.json gives, so they hold nothing the model needs. Any other tensor the loader does not
+# consume is an error (`_check_unused`).
+IGNORED_TENSORS = re.compile(r"^model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
+_MAX_LISTED = 10
 
 
 def _get(tree, path):
@@ -99,6 +108,10 @@ class _TensorSource:
 
   def __contains__(self, name: str) -> bool:
     return name in self._readers
+
+  def names(self) -> list[str]:
+    """Every tensor name in the checkpoint's files."""
+    return list(self._readers)
 
   def get(self, name: str) -> np.ndarray:
     return self._readers[name].tensor(name)
@@ -146,9 +159,17 @@ def load_params(
   Returns:
     params pytree, each leaf a jax.Array placed on its sharding.
 
+  Every tensor in the files must be consumed, so that no checkpoint variant
+  (an extra bias, a new module) loads half-read. Two exceptions: rotary
+  `inv_freq` buffers (`IGNORED_TENSORS`, derived from the config) and, for a
+  tied config, an `lm_head.weight` identical to `model.embed_tokens.weight`.
+
   Raises:
     KeyError: a tensor the config needs is missing.
-    ValueError: a tensor's shape does not match the config.
+    ValueError: a tensor's shape does not match the config; the files hold
+      tensors the config does not use (up to 10 named, and their count); a
+      tied config's file holds an `lm_head.weight` that differs from the
+      embedding.
   """
   source = _TensorSource(directory)
   shapes = qwen.params_shape(config)
@@ -158,44 +179,67 @@ def load_params(
   elif isinstance(shardings, Mesh):
     shardings = sharding_lib.param_shardings(shapes, shardings)
   dtype = np.dtype(jnp.dtype(config.param_dtype))
-  params = {}
 
-  def place(path, callback, expected_hf_names, hf_shape_of):
+  # (our path, HF names, callback, transpose) of every parameter, checked before any is read.
+  plan = []
+  for path, hf_name, transpose in GLOBAL_TENSORS:
+    if _get(shapes, path) is not None:
+      plan.append((path, [hf_name], _global_block(source, hf_name, transpose, dtype), transpose))
+  for path, suffix, transpose in LAYER_TENSORS:
+    full = ("layers",) + path
+    if _get(shapes, full) is not None:
+      names = [f"model.layers.{i}.{suffix}" for i in range(config.num_layers)]
+      callback = _layer_block(source, suffix, transpose, dtype, config.num_layers)
+      plan.append((full, names, callback, transpose))
+
+  for path, hf_names, _, transpose in plan:
     target = _get(shapes, path)
-    for hf_name in expected_hf_names:
+    for hf_name in hf_names:
       if hf_name not in source:
         raise KeyError(
           f"checkpoint {directory} lacks tensor {hf_name!r} needed by {'/'.join(path)}"
         )
-      if hf_shape_of(hf_name) != tuple(target.shape[-len(hf_shape_of(hf_name)) :]):
+      shape = tuple(source.get(hf_name).shape)
+      ours = tuple(reversed(shape)) if transpose else shape
+      if ours != tuple(target.shape[len(target.shape) - len(ours) :]):
         raise ValueError(
-          f"tensor {hf_name!r} has shape {source.get(hf_name).shape}, "
-          f"config needs {target.shape} for {'/'.join(path)}"
+          f"tensor {hf_name!r} has shape {shape}, config needs {target.shape} for {'/'.join(path)}"
         )
-    array = jax.make_array_from_callback(target.shape, _get(shardings, path), callback)
-    _set(params, path, array)
+  _check_unused(source, {name for _, names, _, _ in plan for name in names}, config, directory)
 
-  for path, hf_name, transpose in GLOBAL_TENSORS:
-    if _get(shapes, path) is None:
-      continue
-
-    def hf_shape(name, transpose=transpose):
-      shape = source.get(name).shape
-      return tuple(reversed(shape)) if transpose else tuple(shape)
-
-    place(path, _global_block(source, hf_name, transpose, dtype), [hf_name], hf_shape)
-  for path, suffix, transpose in LAYER_TENSORS:
-    full = ("layers",) + path
-    if _get(shapes, full) is None:
-      continue
-    names = [f"model.layers.{i}.{suffix}" for i in range(config.num_layers)]
-
-    def hf_shape(name, transpose=transpose):
-      shape = source.get(name).shape
-      return tuple(reversed(shape)) if transpose else tuple(shape)
-
-    place(full, _layer_block(source, suffix, transpose, dtype, config.num_layers), names, hf_shape)
+  params = {}
+  for path, _, callback, _ in plan:
+    target = _get(shapes, path)
+    _set(params, path, jax.make_array_from_callback(target.shape, _get(shardings, path), callback))
   return params
+
+
+def _check_unused(source: _TensorSource, used: set, config: ModelConfig, directory: str):
+  """Raises ValueError if the checkpoint holds tensors that `load_params` would not read.
+
+  Tolerated: `IGNORED_TENSORS` (rotary inv_freq buffers), and for a tied config an
+  `lm_head.weight` equal to `model.embed_tokens.weight` (transformers' save_pretrained
+  of a tied model omits it, but some exporters write the shared matrix twice).
+  """
+  unused = sorted(n for n in source.names() if n not in used and not IGNORED_TENSORS.match(n))
+  if config.tie_word_embeddings and "lm_head.weight" in unused:
+    head, embed = source.get("lm_head.weight"), source.get("model.embed_tokens.weight")
+    if head.shape != embed.shape or not np.array_equal(head, embed):
+      raise ValueError(
+        f"checkpoint {directory} has tie_word_embeddings=true but holds an lm_head.weight "
+        "that differs from model.embed_tokens.weight; a tied model uses the embedding as "
+        "its output projection, so this lm_head.weight would be silently dropped "
+        "(set tie_word_embeddings=false in config.json if the head is a separate matrix)"
+      )
+    unused.remove("lm_head.weight")
+  if unused:
+    listed = ", ".join(repr(n) for n in unused[:_MAX_LISTED])
+    more = f", ... ({len(unused) - _MAX_LISTED} more)" if len(unused) > _MAX_LISTED else ""
+    raise ValueError(
+      f"checkpoint {directory} holds {len(unused)} tensors that a {config.family} model with "
+      f"this config does not use: {listed}{more}. Loading would silently drop them; the "
+      "config.json probably describes a different architecture variant"
+    )
 
 
 def load(directory: str, shardings: Union[None, Mesh, Any] = None, **overrides: Any):

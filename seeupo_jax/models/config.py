@@ -29,7 +29,11 @@ class ModelConfig:
       rope_theta: RoPE base frequency from the checkpoint.
       rms_norm_eps: epsilon inside every RMSNorm.
       tie_word_embeddings: the output projection is the embedding transposed.
-      attention_bias: q/k/v projections carry a bias (Qwen2/2.5: True).
+      attention_bias: the attention projections carry a bias. Qwen2/2.5
+          (qk_norm=False): always True, q/k/v only. Qwen3 (qk_norm=True): the
+          checkpoint's `attention_bias` (False in the released models); True
+          biases q/k/v AND o_proj, as transformers' Qwen3Attention does (see
+          `o_proj_bias`).
       qk_norm: RMSNorm over head_dim on q and k before RoPE (Qwen3: True).
       max_position_embeddings: longest context the checkpoint was trained for.
       dtype: compute dtype of activations, "float32" or "bfloat16". Softmax,
@@ -99,6 +103,11 @@ class ModelConfig:
   def family(self) -> str:
     """HF model_type this config maps to: "qwen3" (q/k norm) or "qwen2"."""
     return "qwen3" if self.qk_norm else "qwen2"
+
+  @property
+  def o_proj_bias(self) -> bool:
+    """o_proj carries a bias [D]: Qwen3 with attention_bias (Qwen2 never biases o_proj)."""
+    return self.qk_norm and self.attention_bias
 
   def replace(self, **changes: Any) -> "ModelConfig":
     """Returns a copy with `changes` applied (validated again)."""

@@ -343,7 +343,11 @@ def cached_attend(
 
 
 class Attention(nn.Module):
-  """GQA self-attention with optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3)."""
+  """GQA self-attention with optional q/k/v bias (Qwen2), q/k RMSNorm (Qwen3) and o_proj bias.
+
+  The o_proj bias exists only for Qwen3 with attention_bias=True
+  (`ModelConfig.o_proj_bias`), where transformers biases all four projections.
+  """
 
   config: ModelConfig
 
@@ -388,7 +392,7 @@ class Attention(nn.Module):
       out = causal_attend(q, k, v, mask, c.attn_block_size)
     else:
       out = cached_attend(q, k, v, past_k, past_v, mask)
-    out = _dense(c.hidden_size, False, "o_proj", dt, pdt)(out)
+    out = _dense(c.hidden_size, c.o_proj_bias, "o_proj", dt, pdt)(out)
     return out, k, v
 
 

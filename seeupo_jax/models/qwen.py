@@ -11,7 +11,7 @@ Params pytree:
   layers/input_norm/scale    [L, D]
   layers/attn/{q,k,v}_proj/{kernel [L, D, N*hd], bias [L, N*hd] if attention_bias}
   layers/attn/{q,k}_norm/scale [L, hd] if qk_norm
-  layers/attn/o_proj/kernel  [L, H*hd, D]
+  layers/attn/o_proj/{kernel [L, H*hd, D], bias [L, D] if o_proj_bias (Qwen3 with attention_bias)}
   layers/post_attn_norm/scale [L, D]
   layers/mlp/{gate,up}_proj/kernel [L, D, F]; layers/mlp/down_proj/kernel [L, F, D]
   final_norm/scale           [D]
