@@ -81,6 +81,14 @@ def turn_mask(batch: Batch, turn: jax.Array) -> jax.Array:
   return on.astype(jnp.float32)
 
 
+def turns_present(batch: Batch, num_turns: int) -> jax.Array:
+  """bool[T]: entry t is True if some valid row has a generated token at turn t."""
+  on = generated_mask(batch, num_turns) > 0
+  slots = jnp.where(on, batch.turn_ids, num_turns)  # T = "no turn": dropped below
+  counts = jnp.zeros((num_turns,), jnp.int32).at[slots.reshape(-1)].add(1, mode="drop")
+  return counts > 0
+
+
 def take_rows(batch: Batch, rows: jax.Array) -> Batch:
   """The rows `rows` (int32[R]) of every field, kept sharded over the batch axes."""
   return jax.tree.map(lambda x: sharding_lib.constrain(x[rows], P(sharding_lib.BATCH)), batch)

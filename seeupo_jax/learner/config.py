@@ -77,7 +77,10 @@ class LearnerConfig:
     kl_kind: one of `losses.KL_KINDS`.
     agg: loss aggregation, one of `losses.AGGREGATION_MODES` (the KL term uses
       the same).
-    gamma, gae_lambda: PPO's GAE discount and lambda.
+    gamma: discount. PPO: GAE's per-token discount. Critic-free algorithms: turn t
+      of a trajectory with T_i turns gets advantage A * gamma^(T_i - 1 - t)
+      (`objectives.turn_discounts`); 1 (the paper's) leaves A as it is.
+    gae_lambda: PPO's GAE lambda.
     value_clip: PPO critic's value clip (None: unclipped).
   """
 

@@ -55,6 +55,23 @@ def trajectory_advantages(
   )
 
 
+def turn_discounts(turn_ids: Array, mask: Array, gamma: float) -> Array:
+  """float32[N, L]: gamma^(T_i - 1 - t) on the tokens of turn t of a row with T_i turns.
+
+  The critic-free algorithms' discount (the outcome reward comes after the last
+  turn, so turn t's return is gamma^(T_i - 1 - t) R); 1 everywhere when gamma = 1.
+
+  Args:
+    turn_ids: int32[N, L].
+    mask: float32[N, L], generated tokens (T_i = 1 + the largest turn id under it).
+    gamma: discount in (0, 1].
+  """
+  chex.assert_equal_shape([turn_ids, mask])
+  turns = jnp.max(jnp.where(mask > 0, turn_ids, -1), axis=1, keepdims=True) + 1
+  steps_to_end = jnp.maximum(turns - 1 - turn_ids, 0).astype(jnp.float32)
+  return jnp.where(mask > 0, jnp.float32(gamma) ** steps_to_end, 0.0)
+
+
 def outcome_token_rewards(rewards: Array, mask: Array) -> Array:
   """float32[N, L]: each row's reward on its last generated token, 0 elsewhere (for GAE)."""
   chex.assert_rank([rewards, mask], [1, 2])

@@ -140,6 +140,7 @@ def _values(fns: UpdateFns, critic_params: Params, batch: Batch) -> Array:
 
 
 _LOSS_METRICS = (
+  "nonfinite_logp",
   "loss",
   "pg_loss",
   "kl",
@@ -191,6 +192,9 @@ def _micro_grads(fns: UpdateFns, state: TrainState, batch: Batch, inputs, denomi
     else:
       metrics["value_loss"] = metrics["value_error"] = jnp.zeros((), jnp.float32)
     metrics["loss"] = weight * loss
+    # Counted here, not inferred from the loss: XLA may fold logp - stop_gradient(logp) to 0
+    # even where logp is NaN, so a non-finite log-prob need not make the loss non-finite.
+    metrics["nonfinite_logp"] = jnp.sum(~jnp.isfinite(jnp.where(sub.mask > 0, logp, 0.0)))
     return total, metrics
 
   (total, metrics), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
@@ -250,7 +254,7 @@ def _minibatch_step(fns: UpdateFns, batch: Batch, inputs, state: TrainState, row
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, (state.params, state.critic_params))
   grad_norm = optax.global_norm(grads)
   has_tokens = denominators[0] > 0
-  finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+  finite = jnp.isfinite(total) & jnp.isfinite(grad_norm) & (metrics["nonfinite_logp"] == 0)
   apply = has_tokens & finite
   state = jax.lax.cond(
     apply, functools.partial(_apply_gradients, fns), lambda s, g: s, state, grads
@@ -327,7 +331,11 @@ def _update_turn(fns, batch, advantages, ref_logp, turn_key, last_position, carr
 
   def run(carry: TurnCarry):
     old_logp = carry.logp
-    inputs = objectives.LossInputs(old_logp, ref_logp, advantages * carry.correction, mask)
+    # advantages: [N] (gamma = 1) or [N, L] (per-token turn discounts).
+    corrected = advantages * (
+      carry.correction if advantages.ndim == 1 else carry.correction[:, None]
+    )
+    inputs = objectives.LossInputs(old_logp, ref_logp, corrected, mask)
     state, stats = _optimise(fns, carry.state, batch, inputs, jax.random.fold_in(turn_key, turn))
     # The log-probs after this turn's update are the next turn's old log-probs: one forward
     # pass serves both (none after the last turn, whose M is never used).
@@ -366,9 +374,7 @@ def _sequential_update(fns, state, batch, advantages, logp, ref_logp, key):
     key=order_key if config.order == "random" else None,
     custom=config.custom_order or None,
   )
-  has_turn = jnp.stack(
-    [jnp.any(batch_lib.turn_mask(batch, t) > 0) for t in range(config.num_turns)]
-  )  # [T] by turn id (T small compares; no model work)
+  has_turn = batch_lib.turns_present(batch, config.num_turns)  # bool[T] by turn id
   has_turn_in_order = has_turn[order]
   positions = jnp.arange(config.num_turns, dtype=jnp.int32)
   last_position = jnp.max(jnp.where(has_turn_in_order, positions, -1))
@@ -425,7 +431,11 @@ def update(fns: UpdateFns, state: TrainState, batch: Batch, key: Array):
     advantages = objectives.trajectory_advantages(
       batch.rewards, batch.group_ids, batch.row_valid, config
     )
-    advantage_rows = advantages[:, None] * mask
+    if config.gamma != 1.0:
+      # [N, L]: turn t of a row with T_i turns gets A * gamma^(T_i - 1 - t).
+      turn_discounts = objectives.turn_discounts(batch.turn_ids, mask, config.gamma)
+      advantages = advantages[:, None] * turn_discounts
+    advantage_rows = (advantages[:, None] if advantages.ndim == 1 else advantages) * mask
     if config.sequential:
       state, per_turn, has_turn = _sequential_update(
         fns, state, batch, advantages, logp, ref_logp, key
@@ -449,6 +459,38 @@ def update(fns: UpdateFns, state: TrainState, batch: Batch, key: Array):
   metrics["advantage_abs_mean"] = jnp.sum(jnp.abs(advantage_rows) * mask) / tokens
   metrics["generated_tokens"] = jnp.sum(mask)
   return state.replace(step=state.step + 1), metrics
+
+
+def _jit_keeping_state_shardings(step, donate_argnums):
+  """jax.jit(step) whose output state keeps the input state's `NamedSharding`s.
+
+  Left to XLA's sharding propagation, an output leaf may come back re-sharded
+  (seen: on a data=2 x fsdp=4 mesh the replicated RMSNorm scales and their Adam
+  moments came back sharded over "fsdp"), which moves params off their rules and
+  recompiles the next call. So the state's output shardings are pinned to its
+  input's (one jit per distinct sharding tree); leaves without a NamedSharding
+  (single device, uncommitted) and the metrics are left to the compiler.
+  """
+  compiled = {}
+
+  def sharding_of(x):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      if isinstance(x.sharding, jax.sharding.NamedSharding):
+        return x.sharding
+    return None
+
+  @functools.wraps(step)
+  def run(state, batch, key):
+    leaves, treedef = jax.tree.flatten(state)
+    shardings = tuple(sharding_of(x) for x in leaves)
+    if (treedef, shardings) not in compiled:
+      out_shardings = (jax.tree.unflatten(treedef, shardings), None)
+      compiled[treedef, shardings] = jax.jit(
+        step, donate_argnums=donate_argnums, out_shardings=out_shardings
+      )
+    return compiled[treedef, shardings](state, batch, key)
+
+  return run
 
 
 def make_update(
@@ -500,7 +542,7 @@ def make_update(
   step = functools.partial(update, fns)
   if not jit:
     return step
-  return jax.jit(step, donate_argnums=(0,) if donate else ())
+  return _jit_keeping_state_shardings(step, donate_argnums=(0,) if donate else ())
 
 
 def default_optimizer(

@@ -1,0 +1,217 @@
+"""The configured loss is the loss that runs: one learner call per algorithm against the
+independent float64 NumPy reference in `learner_reference.py` (SGD, table-of-logits policy,
+epochs x mini-batches of 1 x 1 and 2 x 1)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import learner_reference as ref
+from seeupo_jax import learner
+
+N, L, V, T = 8, 12, 5, 3
+LR = 8.0  # large enough that the second epoch's ratios leave the clip range
+CRITIC_LR = 6.0
+KL_COEF = 0.1
+RTOL, ATOL = 2e-5, 2e-5
+CLIPPED = ("seeupo", "grpo", "gspo", "ppo")
+PPO_EXTRA = dict(gamma=0.9, gae_lambda=0.95)
+
+_rng = np.random.default_rng(0)
+TABLE0 = _rng.normal(0.0, 0.5, (L, V)).astype(np.float32)
+VALUES0 = _rng.normal(0.0, 0.3, (L,)).astype(np.float32)
+
+
+def make_batch(ragged: bool) -> learner.Batch:
+  """8 rows, 2 groups of 4: a prompt token, then turns separated by one environment token,
+  right padding. ragged: row 2 stops after 2 turns, row 5 after 1, row 7 is a padding row
+  (row_valid False, though it has tokens of every turn)."""
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(0, V, (N, L)).astype(np.int32)
+  token_valid = np.zeros((N, L), bool)
+  turn_ids = np.full((N, L), -1, np.int32)
+  turn_lengths = [
+    [2, 2, 3],
+    [1, 3, 2],
+    [3, 1, 3],
+    [2, 3, 1],
+    [1, 1, 1],
+    [3, 2, 2],
+    [2, 1, 2],
+    [3, 3, 3],
+  ]
+  if ragged:
+    turn_lengths[2] = turn_lengths[2][:2]
+    turn_lengths[5] = turn_lengths[5][:1]
+  for i, lengths in enumerate(turn_lengths):
+    col = 1  # column 0: the prompt
+    for t, k in enumerate(lengths):
+      turn_ids[i, col : col + k] = t
+      col += k + (1 if t < len(lengths) - 1 else 0)  # one environment token between turns
+    token_valid[i, :col] = True
+  row_valid = np.ones(N, bool)
+  if ragged:
+    row_valid[7] = False
+  rewards = np.array([1.0, 0.0, 0.5, 0.2, 0.9, 0.1, 0.4, 0.0], np.float32)
+  sample_logp = np.zeros((N, L), np.float32)
+  group_ids = np.array([0, 0, 0, 0, 1, 1, 1, 1], np.int32)
+  return learner.Batch(tokens, token_valid, turn_ids, sample_logp, rewards, group_ids, row_valid)
+
+
+BATCHES = {"full": make_batch(False), "ragged": make_batch(True)}
+
+
+def logprob_fn(params, batch):
+  log_probs = jax.nn.log_softmax(params["table"], axis=-1)  # [L, V]
+  cols = jnp.arange(batch.tokens.shape[1])[None, :]
+  logp = log_probs[cols, batch.tokens]
+  return jnp.where(batch.token_valid & (cols > 0), logp, 0.0)
+
+
+def value_fn(params, batch):
+  return jnp.where(batch.token_valid, params["v"][None, :], 0.0)
+
+
+@functools.cache
+def _step(config: learner.LearnerConfig):
+  """The jitted update, built once per config (the batches share shapes: one compile)."""
+  if config.algorithm == "ppo":
+    return learner.make_update(
+      logprob_fn, optax.sgd(LR), config, value_fn=value_fn, critic_optimizer=optax.sgd(CRITIC_LR)
+    )
+  return learner.make_update(logprob_fn, optax.sgd(LR), config)
+
+
+def config_for(algorithm, epochs, **changes):
+  extra = PPO_EXTRA if algorithm == "ppo" else {}
+  return learner.LearnerConfig(
+    algorithm=algorithm, num_turns=T, epochs=epochs, kl_coef=KL_COEF, **{**extra, **changes}
+  )
+
+
+@functools.cache
+def run_learner(config: learner.LearnerConfig, batch_name: str):
+  """(table, critic values or None, metrics) after one call, as NumPy."""
+  critic = {}
+  if config.algorithm == "ppo":
+    critic = dict(critic_params={"v": jnp.asarray(VALUES0)}, critic_optimizer=optax.sgd(CRITIC_LR))
+  state = learner.init_state(
+    {"table": jnp.asarray(TABLE0)},
+    optax.sgd(LR),
+    ref_params={"table": jnp.asarray(TABLE0)},
+    **critic,
+  )
+  batch = jax.tree.map(jnp.asarray, BATCHES[batch_name])
+  state, metrics = _step(config)(state, batch, jax.random.key(0))
+  critic_out = None if state.critic_params is None else np.asarray(state.critic_params["v"])
+  return np.asarray(state.params["table"]), critic_out, jax.tree.map(np.asarray, metrics)
+
+
+@functools.cache
+def run_reference(config: learner.LearnerConfig, batch_name: str):
+  fields = (
+    "epochs",
+    "order",
+    "correction",
+    "clip_low",
+    "clip_high",
+    "correction_clip_low",
+    "correction_clip_high",
+    "advantage_clip",
+    "kl_coef",
+    "gamma",
+    "gae_lambda",
+    "value_clip",
+  )
+  assert config.minibatches == 1 and config.agg == "seq-mean-token-mean"
+  return ref.reference_update(
+    config.algorithm,
+    TABLE0,
+    BATCHES[batch_name],
+    num_turns=config.num_turns,
+    lr=LR,
+    critic=VALUES0 if config.algorithm == "ppo" else None,
+    critic_lr=CRITIC_LR,
+    **{name: getattr(config, name) for name in fields},
+  )
+
+
+def assert_matches_reference(config, batch_name):
+  table, critic, metrics = run_learner(config, batch_name)
+  want = run_reference(config, batch_name)
+  # Clip decisions are discontinuous: no ratio may sit within float32 noise of a boundary.
+  assert want["clip_margin"] > 1e-3
+  assert not np.allclose(table, TABLE0, atol=1e-3)  # the update moved the params
+  np.testing.assert_allclose(table, want["table"], rtol=RTOL, atol=ATOL)
+  if config.algorithm == "ppo":
+    np.testing.assert_allclose(critic, want["critic"], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(
+      metrics["value_loss"], want["metrics"]["value_loss"], rtol=1e-4, atol=1e-5
+    )
+  else:
+    assert critic is None
+  assert int(metrics["optimizer_steps"]) == want["metrics"]["optimizer_steps"]
+  assert int(metrics["skipped_updates"]) == 0
+  for name in ("loss", "pg_loss", "kl", "clip_fraction"):
+    np.testing.assert_allclose(
+      metrics[name], want["metrics"][name], rtol=1e-4, atol=1e-6, err_msg=name
+    )
+  if config.algorithm == "seeupo":
+    np.testing.assert_allclose(metrics["turn/M_mean"], want["turn_M_mean"], rtol=1e-5, atol=1e-6)
+  return table, want
+
+
+CASES = [
+  (algorithm, epochs, batch_name)
+  for algorithm in learner.ALGORITHMS
+  for epochs in (1, 2)
+  if not (epochs == 2 and algorithm in ("reinforce", "rloo"))
+  for batch_name in BATCHES
+]
+
+
+@pytest.mark.parametrize("algorithm,epochs,batch_name", CASES)
+def test_update_matches_reference(algorithm, epochs, batch_name):
+  """One call, SGD, epochs x 1 mini-batch: params (and PPO's critic) and metrics as defined."""
+  assert_matches_reference(config_for(algorithm, epochs), batch_name)
+
+
+@pytest.mark.parametrize("batch_name", BATCHES)
+@pytest.mark.parametrize("algorithm", CLIPPED)
+def test_second_epoch_exercises_the_clip(algorithm, batch_name):
+  """With 2 epochs the clipped branch is taken somewhere (so the match above covers it); for PPO
+  the critic's value clip too."""
+  config = config_for(algorithm, 2)
+  want = run_reference(config, batch_name)
+  assert want["metrics"]["clip_fraction_max"] > 0
+  assert float(run_learner(config, batch_name)[2]["clip_fraction"]) > 0
+  if algorithm == "ppo":
+    assert want["metrics"]["value_clip_fraction"] > 0
+
+
+@pytest.mark.parametrize("algorithm", ("reinforce", "rloo"))
+def test_on_policy_algorithms_reject_two_epochs(algorithm):
+  with pytest.raises(ValueError, match="on-policy"):
+    config_for(algorithm, 2)
+
+
+@pytest.mark.parametrize(
+  "changes", [dict(order="forward"), dict(correction=False), dict(gamma=0.5)], ids=str
+)
+@pytest.mark.parametrize("batch_name", BATCHES)
+def test_seeupo_ablations_match_reference(changes, batch_name):
+  """The ablations run what they say: each matches its reference and differs from SeeUPO's."""
+  config = config_for("seeupo", 2, **changes)
+  table, _ = assert_matches_reference(config, batch_name)
+  default, _, _ = run_learner(config_for("seeupo", 2), batch_name)
+  assert np.max(np.abs(table - default)) > 1e-3
+
+
+@pytest.mark.parametrize("algorithm", ("grpo", "rloo"))
+def test_critic_free_turn_discount_matches_reference(algorithm):
+  """gamma < 1 for the baselines: A * gamma^(T_i - 1 - t) per turn (rows of 1, 2 and 3 turns)."""
+  assert_matches_reference(config_for(algorithm, 1, gamma=0.5), "ragged")
