@@ -109,10 +109,22 @@ def init_state(
     critic_opt_state=None
     if critic_params is None
     else _init_opt_state(critic_optimizer, critic_params),
-    step=jnp.zeros((), jnp.int32),
-    optimizer_steps=jnp.zeros((), jnp.int32),
-    skipped_updates=jnp.zeros((), jnp.int32),
+    step=_counter(params),
+    optimizer_steps=_counter(params),
+    skipped_updates=_counter(params),
   )
+
+
+def _counter(params: Params) -> jax.Array:
+  """int32 0; on a mesh, replicated on the params' mesh (a NamedSharding), so the update's
+  output state has its input's shardings and the second call reuses the first compilation."""
+  zero = jnp.zeros((), jnp.int32)
+  leaves = jax.tree.leaves(params)
+  if leaves and all(isinstance(p, jax.Array) for p in leaves):
+    replicated = _replicated_like(params)
+    if isinstance(replicated, NamedSharding):
+      return jax.device_put(zero, replicated)
+  return zero
 
 
 def shard_params(params: Params, mesh: Mesh) -> Params:
