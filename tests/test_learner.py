@@ -492,6 +492,29 @@ def test_microbatches_give_the_same_update(algorithm):
     np.testing.assert_allclose(metrics_b[name], metrics_a[name], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("algorithm", ["seeupo", "grpo", "gspo", "rloo"])
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_fused_forward_gives_the_separate_passes_update(algorithm, microbatches):
+  """One epoch of one mini-batch: the step's own forward pass serves as the old-log-prob pass
+  (and, for SeeUPO, as the previous turn's "after" pass). Two routes, one update."""
+  length, vocab = 40, 7
+  batch = build_batch([4, 1, 3, 2, 4, 2, 3, 1], length=length, vocab=vocab, seed=12)
+  params = table_params((length, vocab), seed=12)
+  config = learner.LearnerConfig(algorithm=algorithm, num_turns=4, microbatches=microbatches)
+  fused = learner.make_update(shared_logprob_fn, ADAMW, config)
+  separate = learner.make_update(shared_logprob_fn, ADAMW, config, fuse_forward=False)
+  a, metrics_a = run_update(fused, ADAMW, params, batch, key=3)
+  b, metrics_b = run_update(separate, ADAMW, params, batch, key=3)
+  np.testing.assert_allclose(a.params["table"], b.params["table"], rtol=0, atol=1e-6)
+  assert np.max(np.abs(a.params["table"] - np.asarray(params["table"]))) > 1e-3
+  for name in ("loss", "kl", "grad_norm", "optimizer_steps"):
+    np.testing.assert_allclose(metrics_a[name], metrics_b[name], rtol=1e-5, atol=1e-7)
+  if algorithm == "seeupo":
+    for name in ("turn/M_mean", "turn/M_min", "turn/M_max"):
+      np.testing.assert_allclose(metrics_a[name], metrics_b[name], rtol=0, atol=1e-6)
+    assert np.any(np.abs(metrics_a["turn/M_mean"] - 1.0) > 1e-4)  # M really moved
+
+
 def test_rows_must_divide_into_micro_batches():
   length, vocab = 24, 7
   batch = jax.tree.map(jnp.asarray, build_batch([2] * 8, length=length, vocab=vocab))

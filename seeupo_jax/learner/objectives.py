@@ -129,20 +129,69 @@ class LossInputs(NamedTuple):
 
   Attributes:
     old_logp: float32[R, L], log-probs at the params before this turn's (or
-      this call's) optimisation.
+      this call's) optimisation; None: the loss's own forward pass is at those
+      params (one epoch of one mini-batch), so stop_gradient of its log-probs.
     ref_logp: float32[R, L] reference log-probs, or None (no KL term).
-    advantages: float32[R] (critic-free) or float32[R, L] (PPO), already
-      multiplied by SeeUPO's correction M.
+    advantages: float32[R] (critic-free) or float32[R, L] (PPO, or turn
+      discounts), before SeeUPO's correction M when `correction` is set.
     mask: float32[R, L], the tokens this loss trains on.
     old_values, returns: float32[R, L] PPO critic inputs, else None.
+    correction: SeeUPO: float32[R] M before the last updated turn's factor
+      (pending, see `fold_pending_correction`); None elsewhere.
+    previous_old_logp, previous_mask: float32[R, L], the last updated turn's old
+      log-probs and mask (zeros before the first turn), with `correction`.
   """
 
-  old_logp: Array
+  old_logp: Optional[Array]
   ref_logp: Optional[Array]
   advantages: Array
   mask: Array
   old_values: Optional[Array] = None
   returns: Optional[Array] = None
+  correction: Optional[Array] = None
+  previous_old_logp: Optional[Array] = None
+  previous_mask: Optional[Array] = None
+
+
+def fold_pending_correction(
+  logp: Array, inputs: LossInputs, config: LearnerConfig
+) -> tuple[LossInputs, Array]:
+  """Folds the last updated turn's factor into M, and M into the advantages.
+
+    M <- clip(M * clip(s, 1 - c_lo, 1 + c_hi), 1 - c_lo, 1 + c_hi),
+    s = exp(mean over the previous turn's tokens of (logp - previous_old_logp))
+  (`losses.seeupo_correction`; rows without the previous turn keep M; nothing
+  changes with `config.correction` False), then advantages <- A * M.
+
+  Args:
+    logp: float32[R, L], log-probs at the current params (after the previous
+      turn's update), no gradient.
+    inputs: `LossInputs`; without `correction` they are returned as they are.
+    config: the correction clips and switch.
+
+  Returns:
+    (inputs with advantages A * M and no pending correction, M float32[R]).
+  """
+  if inputs.correction is None:
+    return inputs, jnp.ones(inputs.mask.shape[:1], jnp.float32)
+  correction = inputs.correction
+  if config.correction:
+    correction = losses.seeupo_correction(
+      correction,
+      logp,
+      inputs.previous_old_logp,
+      inputs.previous_mask,
+      clip_low=config.correction_clip_low,
+      clip_high=config.correction_clip_high,
+    )
+  factor = correction if inputs.advantages.ndim == 1 else correction[:, None]
+  folded = inputs._replace(
+    advantages=inputs.advantages * factor,
+    correction=None,
+    previous_old_logp=None,
+    previous_mask=None,
+  )
+  return folded, correction
 
 
 def aggregation_denominator(mask: Array, agg: str) -> Array:
@@ -173,6 +222,8 @@ def policy_loss(logp: Array, inputs: LossInputs, config: LearnerConfig) -> tuple
   Returns:
     (scalar float32 loss, metrics: pg_loss, kl, clip_fraction, ratio_mean, approx_kl).
   """
+  if inputs.old_logp is None:
+    inputs = inputs._replace(old_logp=jax.lax.stop_gradient(logp))
   clip = dict(
     clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip, agg=config.agg
   )

@@ -55,6 +55,7 @@ class UpdateFns(NamedTuple):
   config: LearnerConfig
   value_fn: Optional[ValueFn] = None
   critic_optimizer: Optional[optax.GradientTransformation] = None
+  fuse_forward: bool = True
 
 
 class StepStats(NamedTuple):
@@ -167,7 +168,8 @@ def _micro_grads(fns: UpdateFns, state: TrainState, batch: Batch, inputs, denomi
   mini-batch gradient exactly.
 
   Returns:
-    ((policy grads, critic grads), weighted loss, weighted metrics dict).
+    ((policy grads, critic grads), weighted loss, weighted metrics dict,
+    (the forward pass's log-probs float32[R, L], the M it applied float32[R])).
   """
   config = fns.config
   sub_batch = batch_lib.take_rows(batch, rows)
@@ -180,7 +182,9 @@ def _micro_grads(fns: UpdateFns, state: TrainState, batch: Batch, inputs, denomi
 
   def loss_fn(params, critic_params):
     logp = fns.logprob_fn(params, sub_batch)
-    loss, metrics = objectives.policy_loss(logp, sub, config)
+    seen = jax.lax.stop_gradient(logp)
+    loss_inputs, correction = objectives.fold_pending_correction(seen, sub, config)
+    loss, metrics = objectives.policy_loss(logp, loss_inputs, config)
     metrics = {name: weight * value for name, value in metrics.items()}
     total = weight * loss
     if critic_params is not None:
@@ -195,12 +199,12 @@ def _micro_grads(fns: UpdateFns, state: TrainState, batch: Batch, inputs, denomi
     # Counted here, not inferred from the loss: XLA may fold logp - stop_gradient(logp) to 0
     # even where logp is NaN, so a non-finite log-prob need not make the loss non-finite.
     metrics["nonfinite_logp"] = jnp.sum(~jnp.isfinite(jnp.where(sub.mask > 0, logp, 0.0)))
-    return total, metrics
+    return total, (metrics, (seen.astype(jnp.float32), correction))
 
-  (total, metrics), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+  (total, (metrics, per_row)), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
     state.params, state.critic_params
   )
-  return grads, total, metrics
+  return grads, total, metrics, per_row
 
 
 def _apply_gradients(fns: UpdateFns, state: TrainState, grads) -> TrainState:
@@ -229,6 +233,10 @@ def _minibatch_step(fns: UpdateFns, batch: Batch, inputs, state: TrainState, row
   The step is taken only if the mini-batch has tokens to train on and its loss
   and gradient are finite; otherwise the state is returned unchanged (a
   non-finite step is counted in `skipped_updates`).
+
+  Returns:
+    (state, StepStats of this step, (log-probs float32[micro, R, L] of the forward
+    pass, i.e. at the params before the step, and the M applied float32[micro, R])).
   """
   config = fns.config
   masks = inputs.mask[rows]  # [micro, R, L]
@@ -239,16 +247,18 @@ def _minibatch_step(fns: UpdateFns, batch: Batch, inputs, state: TrainState, row
 
   def accumulate(carry, micro_rows):
     grads_sum, loss_sum, metrics_sum = carry
-    grads, loss, metrics = _micro_grads(fns, state, batch, inputs, denominators, micro_rows)
+    grads, loss, metrics, per_row = _micro_grads(
+      fns, state, batch, inputs, denominators, micro_rows
+    )
     grads_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_sum, grads)
     metrics_sum = {name: metrics_sum[name] + metrics[name] for name in _LOSS_METRICS}
-    return (grads_sum, loss_sum + loss, metrics_sum), None
+    return (grads_sum, loss_sum + loss, metrics_sum), per_row
 
   grads_zero = jax.tree.map(
     lambda p: jnp.zeros(p.shape, jnp.float32), (state.params, state.critic_params)
   )
   metrics_zero = {name: jnp.zeros((), jnp.float32) for name in _LOSS_METRICS}
-  (grads, total, metrics), _ = jax.lax.scan(
+  (grads, total, metrics), per_row = jax.lax.scan(
     accumulate, (grads_zero, jnp.zeros((), jnp.float32), metrics_zero), rows
   )
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, (state.params, state.critic_params))
@@ -267,7 +277,7 @@ def _minibatch_step(fns: UpdateFns, batch: Batch, inputs, state: TrainState, row
     skipped=skipped.astype(jnp.float32),
     **{name: metrics[name] for name in StepStats._fields if name in metrics},
   )
-  return state, stats
+  return state, stats, per_row
 
 
 def _epoch(fns: UpdateFns, batch: Batch, inputs, state: TrainState, epoch_key: Array):
@@ -277,7 +287,12 @@ def _epoch(fns: UpdateFns, batch: Batch, inputs, state: TrainState, epoch_key: A
   micro = _micro_rows(config, n)
   permutation = jax.random.permutation(epoch_key, n).astype(jnp.int32)
   rows = permutation.reshape(config.minibatches, config.microbatches, micro)
-  return jax.lax.scan(functools.partial(_minibatch_step, fns, batch, inputs), state, rows)
+
+  def minibatch_update(state, minibatch_rows):
+    state, stats, _ = _minibatch_step(fns, batch, inputs, state, minibatch_rows)
+    return state, stats
+
+  return jax.lax.scan(minibatch_update, state, rows)
 
 
 def _optimise(fns: UpdateFns, state: TrainState, batch: Batch, inputs, key: Array):
@@ -290,6 +305,43 @@ def _optimise(fns: UpdateFns, state: TrainState, batch: Batch, inputs, key: Arra
   return jax.lax.scan(functools.partial(_epoch, fns, batch, inputs), state, epoch_keys)
 
 
+def _fused(fns: UpdateFns) -> bool:
+  """One epoch of one mini-batch: the step's own forward pass gives the old log-probs."""
+  config = fns.config
+  return fns.fuse_forward and config.epochs == 1 and config.minibatches == 1
+
+
+def _optimise_from_start(fns: UpdateFns, state: TrainState, batch: Batch, inputs, key: Array):
+  """`_optimise` that also returns the log-probs at the starting params.
+
+  With one epoch of one mini-batch (the authors' setting) nothing has moved the
+  params before the only step, so its forward pass IS the old-log-prob pass:
+  `inputs.old_logp` is None, the loss takes stop_gradient of its own log-probs,
+  and a pending SeeUPO factor is folded into M from the same pass
+  (`objectives.fold_pending_correction`). Otherwise a separate forward pass
+  gives the old log-probs and the pending factor is folded before `_optimise`.
+
+  Returns:
+    (state, StepStats [epochs, minibatches], log-probs float32[N, L] at the
+    starting params, M float32[N] applied to the advantages).
+  """
+  n = batch.num_rows
+  if _fused(fns):
+    micro = _micro_rows(fns.config, n)
+    rows = jnp.arange(n, dtype=jnp.int32).reshape(micro, fns.config.microbatches).T
+    state, stats, (logp, correction) = _minibatch_step(
+      fns, batch, inputs._replace(old_logp=None), state, rows
+    )
+    # Chunk c holds rows c, c + microbatches, ...: undo the stride.
+    logp = logp.swapaxes(0, 1).reshape((n,) + logp.shape[2:])
+    correction = correction.swapaxes(0, 1).reshape(n)
+    return state, jax.tree.map(lambda x: x[None, None], stats), logp, correction
+  logp = _logprobs(fns, state.params, batch)
+  loss_inputs, correction = objectives.fold_pending_correction(logp, inputs, fns.config)
+  state, stats = _optimise(fns, state, batch, loss_inputs._replace(old_logp=logp), key)
+  return state, stats, logp, correction
+
+
 # ----------------------------------------------------------------------------------------------
 # SeeUPO's turn loop.
 
@@ -298,13 +350,17 @@ class TurnCarry(NamedTuple):
   """Carry of the turn scan.
 
   state: the `TrainState`.
-  correction: float32[N], the HAML factor M of each trajectory.
-  logp: float32[N, L], log-probs at `state.params` (the next turn's old log-probs).
+  correction: float32[N], the HAML factor M of each trajectory, up to the last
+    updated turn's factor, which is pending: rho of turn t needs the log-probs
+    after its update, which the next updated turn's first forward pass gives.
+  previous_old_logp: float32[N, L], the last updated turn's old log-probs.
+  previous_mask: float32[N, L], the last updated turn's mask (zeros before the first).
   """
 
   state: TrainState
   correction: Array
-  logp: Array
+  previous_old_logp: Array
+  previous_mask: Array
 
 
 def _correction_stats(correction: Array, rows: Array, config: LearnerConfig) -> dict[str, Array]:
@@ -321,51 +377,55 @@ def _correction_stats(correction: Array, rows: Array, config: LearnerConfig) -> 
   }
 
 
-def _update_turn(fns, batch, advantages, ref_logp, turn_key, last_position, carry: TurnCarry, xs):
-  """Updates one turn (virtual agent) if any trajectory has it; see the module doc."""
+def _update_turn(fns, batch, advantages, ref_logp, turn_key, carry: TurnCarry, xs):
+  """Updates one turn (virtual agent) if any trajectory has it; see the module doc.
+
+  Its first forward pass gives the log-probs at the current params: turn t's old
+  log-probs and the previous turn's "after" log-probs (whose rho is folded into
+  M before turn t's advantages A * M are formed). No pass runs after the last
+  turn: its factor would weigh no later turn.
+  """
   config = fns.config
-  position, turn = xs
+  turn = xs
   mask = batch_lib.turn_mask(batch, turn)
   rows = jnp.any(mask > 0, axis=1)
   has_turn = jnp.any(rows)
+  generated = batch_lib.generated_mask(batch, config.num_turns)
 
   def run(carry: TurnCarry):
-    old_logp = carry.logp
-    # advantages: [N] (gamma = 1) or [N, L] (per-token turn discounts).
-    corrected = advantages * (
-      carry.correction if advantages.ndim == 1 else carry.correction[:, None]
+    inputs = objectives.LossInputs(
+      old_logp=None,
+      ref_logp=ref_logp,
+      advantages=advantages,
+      mask=mask,
+      correction=carry.correction,
+      previous_old_logp=carry.previous_old_logp,
+      previous_mask=carry.previous_mask,
     )
-    inputs = objectives.LossInputs(old_logp, ref_logp, corrected, mask)
-    state, stats = _optimise(fns, carry.state, batch, inputs, jax.random.fold_in(turn_key, turn))
-    # The log-probs after this turn's update are the next turn's old log-probs: one forward
-    # pass serves both (none after the last turn, whose M is never used).
-    logp = jax.lax.cond(
-      position == last_position, lambda: old_logp, lambda: _logprobs(fns, state.params, batch)
+    state, stats, logp, correction = _optimise_from_start(
+      fns, carry.state, batch, inputs, jax.random.fold_in(turn_key, turn)
     )
-    correction = carry.correction
-    if config.correction:
-      correction = losses.seeupo_correction(
-        correction,
-        logp,
-        old_logp,
-        mask,
-        clip_low=config.correction_clip_low,
-        clip_high=config.correction_clip_high,
-      )
-    return TurnCarry(state, correction, logp), stats
+    return TurnCarry(state, correction, logp, mask), (stats, correction, logp)
 
   def skip(carry: TurnCarry):
-    return carry, StepStats.zeros((config.epochs, config.minibatches))
+    stats = StepStats.zeros((config.epochs, config.minibatches))
+    return carry, (stats, carry.correction, carry.previous_old_logp)
 
-  new_carry, stats = jax.lax.cond(has_turn, run, skip, carry)
+  new_carry, (stats, applied_correction, logp) = jax.lax.cond(has_turn, run, skip, carry)
   metrics = stats.mean_over_applied()
-  metrics.update(_correction_stats(carry.correction, rows, config))
+  metrics.update(_correction_stats(applied_correction, rows, config))
   metrics["trajectories"] = jnp.sum(rows.astype(jnp.float32))
+  metrics.update(_sample_gap(batch, logp, generated))
   return new_carry, metrics
 
 
-def _sequential_update(fns, state, batch, advantages, logp, ref_logp, key):
-  """SeeUPO: the turn scan. Returns (state, per-turn metrics {name: float32[T]})."""
+def _sequential_update(fns, state, batch, advantages, ref_logp, key):
+  """SeeUPO: the turn scan.
+
+  Returns:
+    (state, per-turn metrics {name: float32[T]} indexed by turn id, bool[T] turns
+    present, the sampler/learner gap metrics at the starting params).
+  """
   config = fns.config
   order_key, turn_key = jax.random.split(key)
   order = losses.update_order(
@@ -375,19 +435,23 @@ def _sequential_update(fns, state, batch, advantages, logp, ref_logp, key):
     custom=config.custom_order or None,
   )
   has_turn = batch_lib.turns_present(batch, config.num_turns)  # bool[T] by turn id
-  has_turn_in_order = has_turn[order]
-  positions = jnp.arange(config.num_turns, dtype=jnp.int32)
-  last_position = jnp.max(jnp.where(has_turn_in_order, positions, -1))
-  body = functools.partial(_update_turn, fns, batch, advantages, ref_logp, turn_key, last_position)
-  carry = TurnCarry(state, jnp.ones((batch.num_rows,), jnp.float32), logp)
-  carry, per_position = jax.lax.scan(body, carry, (positions, order))
+  body = functools.partial(_update_turn, fns, batch, advantages, ref_logp, turn_key)
+  zeros = jnp.zeros(batch.tokens.shape, jnp.float32)
+  carry = TurnCarry(state, jnp.ones((batch.num_rows,), jnp.float32), zeros, zeros)
+  carry, per_position = jax.lax.scan(body, carry, order)
+  # The gap at the start of the update: that of the first turn updated.
+  positions = jnp.arange(config.num_turns)
+  first = jnp.min(jnp.where(has_turn[order], positions, config.num_turns - 1))
+  gap = {name: per_position.pop(name)[first] for name in _GAP_METRICS}
   # Scan outputs are in update order; index them by turn id.
   per_turn = jax.tree.map(lambda v: jnp.zeros_like(v).at[order].set(v), per_position)
-  return carry.state, per_turn, has_turn
+  return carry.state, per_turn, has_turn, gap
 
 
 # ----------------------------------------------------------------------------------------------
 # The update.
+
+_GAP_METRICS = ("sample_logp_gap_mean", "sample_logp_gap_max")
 
 
 def _sample_gap(batch: Batch, logp: Array, mask: Array) -> dict[str, Array]:
@@ -414,18 +478,18 @@ def update(fns: UpdateFns, state: TrainState, batch: Batch, key: Array):
       "and make_update(..., value_fn=..., critic_optimizer=...)); other algorithms take none"
     )
   mask = batch_lib.generated_mask(batch, config.num_turns)
-  logp = _logprobs(fns, state.params, batch)
   ref_logp = None
   if config.kl_coef > 0:
     ref_logp = _logprobs(fns, state.ref_params, batch)
-  metrics = _sample_gap(batch, logp, mask)
+  metrics = {}
 
   if config.algorithm == "ppo":
     old_values = _values(fns, state.critic_params, batch)
     advantages, returns = objectives.ppo_advantages(batch.rewards, old_values, mask, config)
-    inputs = objectives.LossInputs(logp, ref_logp, advantages, mask, old_values, returns)
-    state, stats = _optimise(fns, state, batch, inputs, key)
+    inputs = objectives.LossInputs(None, ref_logp, advantages, mask, old_values, returns)
+    state, stats, logp, _ = _optimise_from_start(fns, state, batch, inputs, key)
     metrics.update(stats.mean_over_applied())
+    metrics.update(_sample_gap(batch, logp, mask))
     advantage_rows = advantages
   else:
     advantages = objectives.trajectory_advantages(
@@ -437,9 +501,10 @@ def update(fns: UpdateFns, state: TrainState, batch: Batch, key: Array):
       advantages = advantages[:, None] * turn_discounts
     advantage_rows = (advantages[:, None] if advantages.ndim == 1 else advantages) * mask
     if config.sequential:
-      state, per_turn, has_turn = _sequential_update(
-        fns, state, batch, advantages, logp, ref_logp, key
+      state, per_turn, has_turn, gap = _sequential_update(
+        fns, state, batch, advantages, ref_logp, key
       )
+      metrics.update(gap)
       metrics.update({f"turn/{name}": value for name, value in per_turn.items()})
       turns = jnp.maximum(jnp.sum(has_turn), 1)
       for name, value in per_turn.items():
@@ -451,9 +516,10 @@ def update(fns: UpdateFns, state: TrainState, batch: Batch, key: Array):
       metrics["M_max"] = jnp.max(jnp.where(has_turn, per_turn["M_max"], -jnp.inf))
       metrics["turns_updated"] = jnp.sum(has_turn)
     else:
-      inputs = objectives.LossInputs(logp, ref_logp, advantages, mask)
-      state, stats = _optimise(fns, state, batch, inputs, key)
+      inputs = objectives.LossInputs(None, ref_logp, advantages, mask)
+      state, stats, logp, _ = _optimise_from_start(fns, state, batch, inputs, key)
       metrics.update(stats.mean_over_applied())
+      metrics.update(_sample_gap(batch, logp, mask))
 
   tokens = jnp.maximum(jnp.sum(mask), 1.0)
   metrics["advantage_abs_mean"] = jnp.sum(jnp.abs(advantage_rows) * mask) / tokens
@@ -502,6 +568,7 @@ def make_update(
   critic_optimizer: Optional[optax.GradientTransformation] = None,
   jit: bool = True,
   donate: bool = True,
+  fuse_forward: bool = True,
 ):
   """Builds the learner's update for one model, one optimizer and one config.
 
@@ -517,6 +584,10 @@ def make_update(
     jit: return the update under `jax.jit` (False: the raw function, e.g. to vmap it).
     donate: donate the state's buffers to the jitted call (the input state is
       invalid afterwards).
+    fuse_forward: with one epoch of one mini-batch, take the old log-probs from the
+      optimizer step's own forward pass instead of a separate one (same update to
+      float rounding, one forward pass fewer per turn). False exists to measure
+      and test that; it changes nothing with more epochs or mini-batches.
 
   Returns:
     update(state: TrainState, batch: Batch, key: PRNGKey) -> (TrainState, metrics), where
@@ -538,7 +609,7 @@ def make_update(
       "make_update: algorithm='ppo' needs value_fn and critic_optimizer (e.g. "
       "learner.qwen_value_fn(model_config) and an optax optimizer); other algorithms take neither"
     )
-  fns = UpdateFns(logprob_fn, optimizer, config, value_fn, critic_optimizer)
+  fns = UpdateFns(logprob_fn, optimizer, config, value_fn, critic_optimizer, fuse_forward)
   step = functools.partial(update, fns)
   if not jit:
     return step
