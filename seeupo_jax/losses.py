@@ -167,8 +167,24 @@ def _check_rows(rewards: Array, group_ids: Array, valid: Array | None) -> Array:
   return jnp.asarray(valid, dtype=bool)
 
 
-def _batch_normalise(advantages: Array, valid: Array, std_floor: float = 1e-6) -> Array:
-  """(A - mean) / std over valid rows; only centred when std <= std_floor."""
+def batch_normalise(advantages: Array, valid: Array, std_floor: float = 1e-6) -> Array:
+  """Whitens advantages over the valid entries of the batch.
+
+    A <- (A − mean_V A) / std_V A   (unbiased std over V = {valid}; only centred when
+                                     std ≤ std_floor); 0 outside V.
+  Batch-level normalisation rescales every advantage by the same positive
+  constant, which keeps SeeUPO's guarantee (unlike dividing by a group's std).
+
+  Args:
+    advantages: float [B] (one per trajectory) or [B, L] (per token, e.g. PPO's GAE).
+    valid: bool, the same shape, the entries that count.
+    std_floor: below this std the advantages are only centred.
+
+  Returns:
+    float32, the shape of `advantages`.
+  """
+  chex.assert_equal_shape([advantages, valid])
+  advantages = _f32(advantages)
   weights = valid.astype(jnp.float32)
   n = jnp.sum(weights)
   mean = jnp.sum(advantages * weights) / jnp.maximum(n, 1.0)
@@ -220,7 +236,7 @@ def grae_advantages(
   if group_std:
     advantages = advantages / (jnp.sqrt(variances) + eps)
   if batch_norm:
-    advantages = _batch_normalise(advantages, valid)
+    advantages = batch_normalise(advantages, valid)
   if clip is not None:
     advantages = jnp.clip(advantages, -clip, clip)
   return jnp.where(valid, advantages, 0.0)

@@ -118,3 +118,16 @@ def test_bench_attention_matches_torch_gradients():
   assert result["ratio_torch_over_jax"] == pytest.approx(
     result["torch_ms"] / result["jax_ms"], rel=0.02
   )
+
+
+@pytest.mark.slow
+def test_bench_learner_reports_seeupo_against_gspo():
+  result = _run(
+    "bench_learner.py", "--preset", "qwen3-tiny", "--batch", "4", "--seq", "32", "--turns", "2"
+  )
+  row = result["turns"]["2"]
+  assert set(row["rounds"]) == {"seeupo", "seeupo_separate", "gspo", "forward", "optimizer_step"}
+  assert all(len(times) == 3 for times in row["rounds"].values())
+  assert row["seeupo_over_gspo"] == pytest.approx(row["seeupo_s"] / row["gspo_s"], rel=0.01)
+  floor = 2 * row["optimizer_step_s"] + row["forward_s"]
+  assert row["seeupo_over_floor"] == pytest.approx(row["seeupo_s"] / floor, rel=0.01)

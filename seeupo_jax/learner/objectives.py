@@ -82,7 +82,7 @@ def outcome_token_rewards(rewards: Array, mask: Array) -> Array:
 
 
 def whiten_tokens(advantages: Array, mask: Array, clip: Optional[float]) -> Array:
-  """PPO's batch normalisation over generated tokens: (A - mean) / std, clamped to +-clip.
+  """PPO's batch normalisation over generated tokens (`losses.batch_normalise`), clamped to +-clip.
 
   Args:
     advantages: float32[N, L].
@@ -92,11 +92,7 @@ def whiten_tokens(advantages: Array, mask: Array, clip: Optional[float]) -> Arra
   Returns:
     float32[N, L], 0 where mask is 0.
   """
-  n = jnp.maximum(jnp.sum(mask), 1.0)
-  mean = jnp.sum(advantages * mask) / n
-  centred = (advantages - mean) * mask
-  std = jnp.sqrt(jnp.sum(centred**2) / jnp.maximum(n - 1.0, 1.0))
-  out = jnp.where(std > 1e-6, centred / jnp.where(std > 1e-6, std, 1.0), centred)
+  out = losses.batch_normalise(advantages, mask > 0)
   if clip is not None:
     out = jnp.clip(out, -clip, clip)
   return out * mask
