@@ -1,12 +1,15 @@
-"""The bandit algorithms: convergence claim on random instances, basic
-properties of the updates, and config errors."""
+"""The bandit algorithms (run by `seeupo_jax.learner`): a rollout batch as a
+learner Batch, one iteration of every algorithm against a NumPy re-derivation,
+the convergence claim on random instances, basic properties, config errors."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from experiments.configs import bandit as bandit_config
+from seeupo_jax import learner
 from seeupo_jax.theory import algorithms
 from seeupo_jax.theory import bandit as bandit_lib
 from seeupo_jax.theory import instances
@@ -162,3 +165,239 @@ def test_one_seeupo_iteration_matches_numpy(algorithm, gamma, order):
   want = bandit_lib.expected_return(bandit, enum, jnp.asarray(want_log_pi))
   np.testing.assert_allclose(out.returns[1], want, rtol=1e-5)
   assert not np.isclose(float(out.returns[1]), float(out.returns[0]))
+
+
+def _iteration_rollouts(key, bandit, enum, log_pi, group_size, iteration=0, iterations=1):
+  """The rollouts `train` draws at `iteration` (same keys), under the policy log_pi."""
+  key_sample, _ = jax.random.split(jax.random.split(key, iterations)[iteration])
+  return bandit_lib.sample_rollouts(key_sample, bandit, enum, jnp.asarray(log_pi), group_size)
+
+
+@pytest.mark.parametrize("policy_name", sorted(policies.POLICIES))
+def test_rollout_batch_is_a_learner_batch(policy_name):
+  x_, k, t_, n = 3, 3, 3, 4
+  enum = bandit_lib.enumerate_bandit(x_, k, t_)
+  policy = policies.get_policy(policy_name, enum)
+  theta = jax.random.normal(jax.random.PRNGKey(0), (policy.num_params,))
+  log_pi = policies.log_policy(policy, theta)
+  bandit = instances.random_instance(jax.random.PRNGKey(1), x_, k, t_)
+  r = bandit_lib.sample_rollouts(jax.random.PRNGKey(2), bandit, enum, log_pi, n)
+  batch = algorithms.rollout_batch(r, log_pi)
+  learner.validate(jax.tree.map(np.asarray, batch), t_)
+  tokens = np.asarray(batch.tokens)
+  np.testing.assert_array_equal(tokens[:, 0], r.contexts)
+  np.testing.assert_array_equal(tokens[:, 1:], r.actions)
+  np.testing.assert_array_equal(batch.turn_ids, np.tile(np.arange(-1, t_), (x_ * n, 1)))
+  np.testing.assert_array_equal(batch.group_ids, np.repeat(np.arange(x_), n))
+  np.testing.assert_array_equal(batch.rewards, r.rewards)
+  assert np.all(batch.token_valid) and np.all(batch.row_valid)
+  # States from the tokens alone, by the numbering x P + offset[t] + prefix (by hand).
+  per_context = 1 + k + k * k
+  for i in range(x_ * n):
+    x, a = tokens[i, 0], tokens[i, 1:]
+    want = [x * per_context, x * per_context + 1 + a[0], x * per_context + 1 + k + a[0] * k + a[1]]
+    np.testing.assert_array_equal(algorithms.decision_states(enum, batch.tokens)[i], want)
+  np.testing.assert_array_equal(algorithms.decision_states(enum, batch.tokens), r.states)
+  # logprob_fn: log pi(a_t | s_t) at column 1 + t, 0 at the context.
+  logp = np.asarray(algorithms.make_logprob_fn(enum, policy)(theta, batch))
+  want = np.asarray(log_pi)[np.asarray(r.states), np.asarray(r.actions)]
+  np.testing.assert_allclose(logp[:, 1:], want, rtol=1e-6)
+  np.testing.assert_array_equal(logp[:, 0], 0.0)
+  np.testing.assert_allclose(batch.sample_logp, logp, rtol=1e-6)
+  critic = jnp.arange(enum.num_states, dtype=jnp.float32)
+  values = np.asarray(algorithms.make_value_fn(enum)(critic, batch))
+  np.testing.assert_array_equal(values[:, 1:], r.states)
+  np.testing.assert_array_equal(values[:, 0], 0.0)
+
+
+def test_learner_configs():
+  config = _config(epochs_per_turn=3, minibatches_per_turn=2, clip_eps=0.1, correction_clip=0.3)
+  enum = bandit_lib.enumerate_bandit(3, 2, 4)
+  got = {
+    name: algorithms.learner_config(config, enum, spec)
+    for name, spec in algorithms.ALGORITHMS.items()
+  }
+  for name, c in got.items():
+    assert c.kl_coef == 0.0 and c.num_turns == 4, name
+    assert (c.clip_low, c.clip_high) == (0.1, 0.1), name
+    assert (c.correction_clip_low, c.correction_clip_high) == (0.3, 0.3), name
+    on_policy = name in ("reinforce", "rloo")
+    assert (c.epochs, c.minibatches) == ((1, 1) if on_policy else (3, 2)), name
+  assert [got[n].order for n in ("seeupo", "seeupo_forward", "seeupo_random")] == [
+    "reverse",
+    "forward",
+    "random",
+  ]
+  assert not got["seeupo_nocorr"].correction and got["seeupo"].correction
+  norms = {n: c.advantage_normalisation for n, c in got.items()}
+  assert norms["seeupo"] == "batch" and norms["seeupo_groupstd"] == "group"
+  assert norms["grpo"] == norms["gspo"] == "group" and norms["seeupo_nonorm"] == "none"
+  assert got["seeupo"].advantage_clip == 3.0
+  assert got["ppo"].advantage_clip is None and got["ppo"].value_clip is None
+
+
+def _log_softmax(logits):
+  z = logits - logits.max(-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def _numpy_advantages(rewards, groups, normalisation):
+  """GRAE (group mean; group std / batch whitening + clamp 3 / none) or RLOO, by hand."""
+  rewards = np.asarray(rewards, np.float64)
+  same = groups[:, None] == groups[None, :]
+  mean = (same * rewards[None]).sum(1) / same.sum(1)
+  if normalisation == "rloo":
+    leave_one_out = ((same * rewards[None]).sum(1) - rewards) / (same.sum(1) - 1)
+    return rewards - leave_one_out
+  adv = rewards - mean
+  if normalisation == "group":
+    std = np.array([rewards[groups == g].std(ddof=1) for g in groups])
+    adv = adv / (std + 1e-6)
+  elif normalisation == "batch":
+    adv = np.clip((adv - adv.mean()) / adv.std(ddof=1), -3.0, 3.0)
+  return adv
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.5])
+@pytest.mark.parametrize("algorithm", ["grpo", "gspo", "reinforce", "rloo"])
+def test_one_simultaneous_iteration_matches_numpy(algorithm, gamma):
+  """1 epoch x 1 mini-batch: the ratio is 1 at the single step, so every critic-free
+  simultaneous loss has the gradient -(1/B) sum_i (1/T) sum_t A_i gamma^(T-1-t) d log pi(a_it|s_it)
+  (seq-mean-token-mean over the T actions of each row)."""
+  x_, k, t_ = 3, 2, 3
+  config = _config(
+    num_turns=t_, num_iterations=1, epochs_per_turn=1, minibatches_per_turn=1, gamma=gamma
+  )
+  enum = bandit_lib.enumerate_bandit(x_, k, t_)
+  policy = policies.tabular_policy(enum)
+  train = algorithms.make_train_fn(config, enum, policy, algorithms.get_algorithm(algorithm))
+  bandit = instances.random_instance(jax.random.PRNGKey(6), x_, k, t_)
+  key, lr = jax.random.PRNGKey(7), 3.0
+  out = train(key, bandit, jnp.float32(lr))
+  uniform = np.full((enum.num_states, k), -np.log(k))
+  r = _iteration_rollouts(key, bandit, enum, uniform, config.group_size)
+  states, actions = np.asarray(r.states), np.asarray(r.actions)
+  groups = np.asarray(r.contexts)
+  norm = {"grpo": "group", "gspo": "group", "reinforce": "none", "rloo": "rloo"}[algorithm]
+  adv = _numpy_advantages(r.rewards, groups, norm)
+  b = len(adv)
+  grad = np.zeros((enum.num_states, k))
+  for i in range(b):
+    for t in range(t_):
+      s, a = states[i, t], actions[i, t]
+      grad[s] -= adv[i] * gamma ** (t_ - 1 - t) * (np.eye(k)[a] - 1.0 / k) / (b * t_)
+  want = bandit_lib.expected_return(bandit, enum, jnp.asarray(_log_softmax(-lr * grad)))
+  np.testing.assert_allclose(out.returns[1], want, rtol=1e-5)
+  assert not np.isclose(float(out.returns[1]), float(out.returns[0]))
+
+
+def _numpy_ppo_step(theta, critic, rollouts, lr, critic_lr, gamma, lam):
+  """One PPO iteration (1 x 1, ratio 1) with a tabular critic, by hand.
+
+  GAE over the T actions (reward after the last), whitened over the B T tokens
+  (unbiased std, no clamp); policy gradient -(1/(B T)) sum_it A_it d log pi;
+  critic: token-mean of 1/2 (V - R)^2, one SGD step at rate critic_lr.
+  """
+  states, actions = np.asarray(rollouts.states), np.asarray(rollouts.actions)
+  rewards = np.asarray(rollouts.rewards, np.float64)
+  b, t_ = states.shape
+  values = critic[states]
+  adv = np.zeros((b, t_))
+  next_value, next_adv = np.zeros(b), np.zeros(b)
+  for t in reversed(range(t_)):
+    reward = rewards if t == t_ - 1 else 0.0
+    adv[:, t] = reward + gamma * next_value - values[:, t] + gamma * lam * next_adv
+    next_value, next_adv = values[:, t], adv[:, t]
+  returns = adv + values
+  adv = (adv - adv.mean()) / adv.std(ddof=1)
+  log_pi = _log_softmax(theta)
+  grad, critic_grad = np.zeros_like(theta), np.zeros_like(critic)
+  k = theta.shape[1]
+  for i in range(b):
+    for t in range(t_):
+      s, a = states[i, t], actions[i, t]
+      grad[s] -= adv[i, t] * (np.eye(k)[a] - np.exp(log_pi[s])) / (b * t_)
+      critic_grad[s] += (values[i, t] - returns[i, t]) / (b * t_)
+  return theta - lr * grad, critic - critic_lr * critic_grad
+
+
+def test_two_ppo_iterations_match_numpy():
+  x_, k, t_ = 3, 2, 3
+  gamma, lam, critic_lr, lr = 0.8, 0.5, 0.7, 3.0
+  config = _config(
+    num_turns=t_,
+    num_iterations=2,
+    epochs_per_turn=1,
+    minibatches_per_turn=1,
+    gamma=gamma,
+    gae_lambda=lam,
+    critic_lr=critic_lr,
+  )
+  enum = bandit_lib.enumerate_bandit(x_, k, t_)
+  policy = policies.tabular_policy(enum)
+  train = algorithms.make_train_fn(config, enum, policy, algorithms.get_algorithm("ppo"))
+  bandit = instances.random_instance(jax.random.PRNGKey(8), x_, k, t_)
+  key = jax.random.PRNGKey(9)
+  out = train(key, bandit, jnp.float32(lr))
+  theta, critic = np.zeros((enum.num_states, k)), np.zeros(enum.num_states)
+  for it in range(2):
+    r = _iteration_rollouts(
+      key, bandit, enum, _log_softmax(theta).astype(np.float32), config.group_size, it, 2
+    )
+    theta, critic = _numpy_ppo_step(theta, critic, r, lr, critic_lr, gamma, lam)
+    want = bandit_lib.expected_return(bandit, enum, jnp.asarray(_log_softmax(theta)))
+    # Iteration 2's advantages come from the critic learned in iteration 1.
+    np.testing.assert_allclose(out.returns[it + 1], want, rtol=1e-5)
+  assert np.any(critic != 0)
+
+
+def test_learning_rates_vmap_like_separate_runs():
+  config = _config(num_turns=3, num_iterations=4)
+  enum = bandit_lib.enumerate_bandit(3, 2, 3)
+  policy = policies.tabular_policy(enum)
+  train = algorithms.make_train_fn(config, enum, policy, algorithms.get_algorithm("seeupo"))
+  bandit = instances.random_instance(jax.random.PRNGKey(0), 3, 2, 3)
+  key, lrs = jax.random.PRNGKey(1), jnp.array([0.3, 10.0])
+  both = jax.jit(jax.vmap(lambda lr: train(key, bandit, lr).returns))(lrs)
+  for i, lr in enumerate(lrs):
+    np.testing.assert_allclose(both[i], jax.jit(train)(key, bandit, lr).returns, rtol=1e-5)
+  assert not np.allclose(both[0], both[1])
+
+
+def test_optimizer_state_lives_across_iterations():
+  """With momentum, `train` equals a Python loop of learner updates that keeps one state,
+  and differs from one that starts a fresh optimizer state every iteration."""
+  config = _config(num_turns=3, num_iterations=3, epochs_per_turn=1, minibatches_per_turn=1)
+  enum = bandit_lib.enumerate_bandit(3, 2, 3)
+  policy = policies.tabular_policy(enum)
+  spec = algorithms.get_algorithm("grpo")
+  momentum = lambda learning_rate: optax.sgd(learning_rate, momentum=0.9)
+  train = algorithms.make_train_fn(config, enum, policy, spec, optimizer=momentum)
+  bandit = instances.random_instance(jax.random.PRNGKey(2), 3, 2, 3)
+  key, lr = jax.random.PRNGKey(3), 1.0
+  got = jax.jit(train)(key, bandit, jnp.float32(lr)).returns
+  update = learner.make_update(
+    algorithms.make_logprob_fn(enum, policy),
+    momentum(lr),
+    algorithms.learner_config(config, enum, spec),
+    jit=False,
+  )
+
+  def loop(fresh_state_each_iteration):
+    theta = policies.init_params(policy)
+    opt_state = momentum(lr).init(theta)
+    returns = []
+    for iter_key in jax.random.split(key, 3):
+      if fresh_state_each_iteration:
+        opt_state = momentum(lr).init(theta)
+      key_sample, key_update = jax.random.split(iter_key)
+      log_pi = policies.log_policy(policy, theta)
+      r = bandit_lib.sample_rollouts(key_sample, bandit, enum, log_pi, config.group_size)
+      state = learner.TrainState(theta, opt_state, None, None, None, 0, 0, 0)
+      state, _ = update(state, algorithms.rollout_batch(r, log_pi), key_update)
+      theta, opt_state = state.params, state.opt_state
+      returns.append(bandit_lib.expected_return(bandit, enum, policies.log_policy(policy, theta)))
+    return np.array(returns)
+
+  np.testing.assert_allclose(got[1:], loop(False), rtol=1e-5)
+  assert not np.allclose(got[1:], loop(True), rtol=1e-3)

@@ -1,78 +1,85 @@
-"""RL algorithms on the multi-turn bandit, built from `seeupo_jax.losses`.
+"""RL algorithms on the multi-turn bandit, run by the LLM learner itself.
 
-Every algorithm runs the same loop: sample n rollouts per context with the
-current policy, compute advantages, update the parameters, record the exact
-J. "Turn t's tokens" are the action at turn t: per-turn log-probs are [B, T]
-and turn t is selected with the mask `one_hot(t, T)` on every row.
+Every algorithm is a `seeupo_jax.learner.LearnerConfig` and every update is
+the learner's own `make_update` step (the code that trains LLMs), applied to
+a bandit rollout batch written as a learner `Batch`:
 
-* `sequential` (SeeUPO): A = GRAE; M = 1; for t in `update_order`: old
-  log-probs of turn t under the current parameters, advantage A * M,
-  `epochs_per_turn` x `minibatches_per_turn` SGD steps of
-  `losses.sequence_clip_loss` on turn t only, then
-  M = `losses.seeupo_correction(M, new, old, mask_t)` (if `correction`).
-* `token_ppu` (GRPO): all turns at once, `losses.token_clip_loss`.
-* `sequence_ppu` (GSPO): all turns at once, `losses.sequence_clip_loss`
-  (one ratio for the whole trajectory).
-* `reinforce` (REINFORCE / RLOO): one on-policy step of
-  `losses.reinforce_loss` per iteration.
-* `ppo_gae` (PPO): `losses.gae_advantages` from a learned tabular critic
-  V(state), `losses.token_clip_loss` + `losses.value_loss`.
+    L = T + 1 positions per row (one row per rollout, B = X n rows)
+    tokens[:, 0]     = x, the context (a "prompt" token, turn_ids -1)
+    tokens[:, 1 + t] = a_t, the action at turn t (turn_ids t)
+    token_valid, row_valid all True; group_ids = x (one group per context);
+    rewards = r(x, a_1..a_T); sample_logp = the behaviour log-probs.
+
+The policy's `logprob_fn(theta, batch)` recovers each turn's decision state
+from the tokens (`decision_states`: the state numbering of `bandit.py`) and
+returns log pi(a_t | s_t) at column 1 + t (0 at column 0). PPO's critic is a
+table V(state) read the same way (`value_fn`).
+
+Each loop iteration samples n rollouts per context with the current policy,
+calls the learner's update once, and records the exact J. The learning rate
+is a traced value (`optax.inject_hyperparams(optax.sgd)`, set in the
+optimizer state), so one optimizer state lives across iterations and the
+whole run vmaps over seeds and learning rates.
+
+| name | learner config |
+|---|---|
+| seeupo, seeupo_forward, seeupo_random | algorithm="seeupo", order reverse / forward / random, batch normalisation |
+| seeupo_nocorr | same, correction=False (M stays 1) |
+| seeupo_groupstd, seeupo_nonorm | same, normalisation group / none |
+| grpo, gspo | "grpo" / "gspo" (group std) |
+| reinforce, rloo | "reinforce" / "rloo", 1 epoch x 1 mini-batch |
+| ppo | "ppo": GAE from a tabular critic with its own SGD (rate `critic_lr`), whitened, no clamp |
 
 Discounting: the reward comes after turn T, so turn t's return is
-gamma^(T-t) r and its critic-free advantage is gamma^(T-t) A (PPO uses GAE
-with the same gamma). The optimum does not depend on gamma; only the
-per-turn step sizes do.
+gamma^(T-1-t) r (0-based t); the learner's `gamma` scales the critic-free
+advantage of turn t by gamma^(T-1-t), and is GAE's discount for PPO. The
+optimum does not depend on gamma; only the per-turn step sizes do.
 """
 
-from typing import NamedTuple
+import functools
+from typing import Callable, NamedTuple
 
 import chex
-import flax
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
 
-from seeupo_jax import losses
+from seeupo_jax import learner
 from seeupo_jax.theory import bandit as bandit_lib
 from seeupo_jax.theory import policies as policies_lib
-
-UPDATES = ("sequential", "token_ppu", "sequence_ppu", "reinforce", "ppo_gae")
-NORMS = ("none", "group", "batch")
-ADVANTAGES = ("grae", "rloo", "gae")
 
 
 class AlgorithmSpec(NamedTuple):
   """What distinguishes one algorithm from another (static).
 
   Attributes:
-    update: one of UPDATES.
-    advantage: one of ADVANTAGES.
-    norm: advantage normalisation, one of NORMS: "none"; "group" (divide by
-      the group std, GRPO); "batch" (whiten over the batch, clamp to [-3, 3]).
-    order: update order for `sequential` ("reverse", "forward", "random").
-    correction: apply the HAML correction M (`sequential` only).
+    algorithm: the learner's algorithm, one of `learner.ALGORITHMS`.
+    normalisation: advantage normalisation, one of `learner.NORMALISATIONS`
+      ("batch": whiten over the batch, clamp to [-3, 3] for SeeUPO, no clamp
+      for PPO; "group": divide by the group std; "none").
+    order: SeeUPO's update order (`losses.UPDATE_ORDERS`).
+    correction: SeeUPO's HAML correction M.
   """
 
-  update: str
-  advantage: str = "grae"
-  norm: str = "batch"
+  algorithm: str
+  normalisation: str = "batch"
   order: str = "reverse"
   correction: bool = True
 
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {
-  "seeupo": AlgorithmSpec("sequential", "grae", "batch", "reverse", True),
-  "seeupo_forward": AlgorithmSpec("sequential", "grae", "batch", "forward"),
-  "seeupo_random": AlgorithmSpec("sequential", "grae", "batch", "random"),
-  "seeupo_nocorr": AlgorithmSpec("sequential", "grae", "batch", "reverse", False),
-  "seeupo_groupstd": AlgorithmSpec("sequential", "grae", "group"),
-  "seeupo_nonorm": AlgorithmSpec("sequential", "grae", "none"),
-  "grpo": AlgorithmSpec("token_ppu", "grae", "group"),
-  "gspo": AlgorithmSpec("sequence_ppu", "grae", "group"),
-  "reinforce": AlgorithmSpec("reinforce", "grae", "none"),
-  "rloo": AlgorithmSpec("reinforce", "rloo", "none"),
-  "ppo": AlgorithmSpec("ppo_gae", "gae", "batch"),
+  "seeupo": AlgorithmSpec("seeupo", "batch", "reverse", True),
+  "seeupo_forward": AlgorithmSpec("seeupo", "batch", "forward"),
+  "seeupo_random": AlgorithmSpec("seeupo", "batch", "random"),
+  "seeupo_nocorr": AlgorithmSpec("seeupo", "batch", "reverse", False),
+  "seeupo_groupstd": AlgorithmSpec("seeupo", "group"),
+  "seeupo_nonorm": AlgorithmSpec("seeupo", "none"),
+  "grpo": AlgorithmSpec("grpo", "group"),
+  "gspo": AlgorithmSpec("gspo", "group"),
+  "reinforce": AlgorithmSpec("reinforce", "none"),
+  "rloo": AlgorithmSpec("rloo", "none"),
+  "ppo": AlgorithmSpec("ppo", "batch"),
 }
 
 
@@ -85,58 +92,190 @@ def get_algorithm(name: str) -> AlgorithmSpec:
   return ALGORITHMS[name]
 
 
-@flax.struct.dataclass
-class TrainState:
-  """Learner state of one run.
-
-  Attributes:
-    theta: [num_params] float32 policy parameters.
-    critic: [S] float32 tabular state values (used by `ppo_gae` only).
-  """
-
-  theta: chex.Array
-  critic: chex.Array
-
-
 class TrainOutput(NamedTuple):
   """What one run returns.
 
   Attributes:
     returns: [I + 1] float32 exact J before training and after each
       iteration.
-    clip_fraction: [I] float32 mean clip fraction of the policy loss.
+    clip_fraction: [I] float32, the learner's `clip_fraction` metric of each
+      iteration (mean over its applied optimizer steps, and over turns for
+      SeeUPO; 0 for REINFORCE/RLOO).
   """
 
   returns: chex.Array
   clip_fraction: chex.Array
 
 
-def _check(config: ml_collections.ConfigDict, spec: AlgorithmSpec) -> None:
-  for key, value, allowed in (
-    ("update", spec.update, UPDATES),
-    ("norm", spec.norm, NORMS),
-    ("advantage", spec.advantage, ADVANTAGES),
-    ("order", spec.order, losses.UPDATE_ORDERS),
-  ):
-    if value not in allowed:
-      raise ValueError(f"algorithm {key}={value!r}; allowed: {allowed}")
+# ----------------------------------------------------------------------------------------------
+# A bandit rollout batch as a learner Batch.
+
+
+def decision_states(enum: bandit_lib.Enumeration, tokens: chex.Array) -> chex.Array:
+  """The decision state of every turn, read from a row's tokens.
+
+  State of turn t = x * P + offset[t] + prefix_t with prefix_t = sum_{u<t}
+  a_u K^(t-1-u) (`bandit.py`'s numbering; the same as `Rollouts.states`).
+
+  Args:
+    enum: tables of the (X, K, T) bandit.
+    tokens: int32[B, T + 1], the context then the T actions.
+
+  Returns:
+    int32[B, T].
+  """
+  chex.assert_shape(tokens, (None, enum.num_turns + 1))
+  context, actions = tokens[:, 0], tokens[:, 1:]
+  prefix = jnp.zeros_like(context)
+  states = []
+  for t in range(enum.num_turns):
+    states.append(context * enum.states_per_context + enum.turn_offset(t) + prefix)
+    prefix = prefix * enum.num_actions + actions[:, t]
+  return jnp.stack(states, 1).astype(jnp.int32)
+
+
+def rollout_batch(rollouts: bandit_lib.Rollouts, behaviour_log_pi: chex.Array) -> learner.Batch:
+  """The learner `Batch` of a rollout batch (see the module doc).
+
+  Args:
+    rollouts: B rollouts (contexts [B], states/actions [B, T], rewards [B]).
+    behaviour_log_pi: [S, K] float32, the policy that sampled them.
+
+  Returns:
+    A `learner.Batch` with N = B rows of L = T + 1 tokens.
+  """
+  b, t_ = rollouts.actions.shape
+  tokens = jnp.concatenate([rollouts.contexts[:, None], rollouts.actions], 1).astype(jnp.int32)
+  turn_ids = jnp.broadcast_to(jnp.arange(-1, t_, dtype=jnp.int32), (b, t_ + 1))
+  sample_logp = behaviour_log_pi[rollouts.states, rollouts.actions]
+  return learner.Batch(
+    tokens=tokens,
+    token_valid=jnp.ones((b, t_ + 1), bool),
+    turn_ids=turn_ids,
+    sample_logp=jnp.concatenate([jnp.zeros((b, 1), jnp.float32), sample_logp], 1),
+    rewards=rollouts.rewards.astype(jnp.float32),
+    group_ids=rollouts.contexts.astype(jnp.int32),
+    row_valid=jnp.ones((b,), bool),
+  )
+
+
+def _prepend_zero(per_turn: chex.Array) -> chex.Array:
+  """[B, T] -> [B, T + 1] with column 0 (the context token) = 0."""
+  return jnp.concatenate([jnp.zeros_like(per_turn[:, :1]), per_turn], 1)
+
+
+def make_logprob_fn(enum: bandit_lib.Enumeration, policy: policies_lib.Policy):
+  """The policy as a learner `logprob_fn(theta, batch) -> float32[B, T + 1]`.
+
+  Entry [i, 1 + t] = log pi(a_t | s_t) with s_t from `decision_states`;
+  column 0 (the context, predicted by nothing) is 0.
+  """
+
+  def logprob_fn(theta: chex.Array, batch: learner.Batch) -> chex.Array:
+    states = decision_states(enum, batch.tokens)
+    log_pi = policies_lib.log_policy(policy, theta)  # [S, K]
+    return _prepend_zero(log_pi[states, batch.tokens[:, 1:]])
+
+  return logprob_fn
+
+
+def make_value_fn(enum: bandit_lib.Enumeration):
+  """PPO's tabular critic as a learner `value_fn(critic [S], batch) -> float32[B, T + 1]`.
+
+  Entry [i, 1 + t] = V(s_t), the value of the state before action a_t.
+  """
+
+  def value_fn(critic: chex.Array, batch: learner.Batch) -> chex.Array:
+    return _prepend_zero(critic[decision_states(enum, batch.tokens)])
+
+  return value_fn
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiling the runs.
+
+_NO_YNN_FUSIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@functools.lru_cache(maxsize=None)
+def _xla_knows(options: tuple[tuple[str, str], ...]) -> bool:
+  try:
+    jax.jit(lambda x: x.sum(-1), compiler_options=dict(options))(jnp.ones((2, 3)))
+  except Exception:  # pylint: disable=broad-except  # e.g. "No such compile option"
+    return False
+  return True
+
+
+def compiler_options() -> dict[str, str]:
+  """XLA options for `jax.jit` of the bandit runs (`sweep.make_setting_fn` uses them).
+
+  On CPU: no YNNPACK library fusions. XLA:CPU (jaxlib 0.10) hands reductions
+  and element-wise ops to YNNPACK, which is slow on the bandit's tiny trailing
+  axes (e.g. the learner's per-row sums over L = T + 1 = 5 tokens): with them,
+  1,000 seeds of SeeUPO ran 1.6x slower through the learner than through the
+  old hand-written update; without them both run faster and at the same speed
+  (docs/theory.md). Other backends, or an XLA that does not know the option:
+  no options.
+  """
+  if jax.default_backend() != "cpu" or not _xla_knows(tuple(_NO_YNN_FUSIONS.items())):
+    return {}
+  return dict(_NO_YNN_FUSIONS)
+
+
+# ----------------------------------------------------------------------------------------------
+# The learner's config and the training loop.
+
+
+def _check(config: ml_collections.ConfigDict, spec: AlgorithmSpec, batch_size: int) -> None:
   for key in ("epochs_per_turn", "minibatches_per_turn", "group_size", "num_iterations"):
     if int(config[key]) < 1:
       raise ValueError(f"config key `{key}` must be >= 1, got {config[key]}")
   if not 0.0 < config.gamma <= 1.0:
     raise ValueError(f"config key `gamma` must be in (0, 1], got {config.gamma}")
+  if spec.algorithm not in ("reinforce", "rloo") and batch_size % int(config.minibatches_per_turn):
+    raise ValueError(
+      f"config key `minibatches_per_turn`={config.minibatches_per_turn} must divide "
+      f"the batch size num_contexts * group_size = {batch_size}"
+    )
 
 
-def _sgd_step(params, grads, lr):
-  """One optax SGD step with a traced learning rate."""
-  tx = optax.sgd(lr)
-  updates, _ = tx.update(grads, tx.init(params), params)
-  return optax.apply_updates(params, updates)
+def learner_config(
+  config: ml_collections.ConfigDict, enum: bandit_lib.Enumeration, spec: AlgorithmSpec
+) -> learner.LearnerConfig:
+  """The `learner.LearnerConfig` of one bandit algorithm.
+
+  Reads `epochs_per_turn`, `minibatches_per_turn` (REINFORCE/RLOO: 1 x 1,
+  on-policy), `clip_eps`, `correction_clip`, `gamma`, `gae_lambda`. No KL
+  penalty (the bandits have no reference policy); PPO's critic loss is
+  unclipped and its whitened advantages are not clamped.
+  """
+  on_policy = spec.algorithm in ("reinforce", "rloo")
+  sequential = spec.algorithm == "seeupo"
+  eps, c_eps = float(config.clip_eps), float(config.correction_clip)
+  return learner.LearnerConfig(
+    algorithm=spec.algorithm,
+    num_turns=enum.num_turns,
+    order=spec.order if sequential else "reverse",
+    normalisation=spec.normalisation,
+    correction=spec.correction if sequential else True,
+    epochs=1 if on_policy else int(config.epochs_per_turn),
+    minibatches=1 if on_policy else int(config.minibatches_per_turn),
+    clip_low=eps,
+    clip_high=eps,
+    correction_clip_low=c_eps,
+    correction_clip_high=c_eps,
+    advantage_clip=None if spec.algorithm == "ppo" else 3.0,
+    kl_coef=0.0,
+    gamma=float(config.gamma),
+    gae_lambda=float(config.gae_lambda),
+    value_clip=None,
+  )
 
 
-def _whiten(advantages: chex.Array) -> chex.Array:
-  """PPO's advantage whitening over all [B, T] entries (all are valid)."""
-  return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+def _set_learning_rate(opt_state, lr: chex.Array):
+  """The `inject_hyperparams` state with its learning rate set to `lr` (may be traced)."""
+  hyperparams = dict(opt_state.hyperparams, learning_rate=jnp.asarray(lr, jnp.float32))
+  return opt_state._replace(hyperparams=hyperparams)
 
 
 def make_train_fn(
@@ -144,6 +283,7 @@ def make_train_fn(
   enum: bandit_lib.Enumeration,
   policy: policies_lib.Policy,
   spec: AlgorithmSpec,
+  optimizer: Callable[..., optax.GradientTransformation] = optax.sgd,
 ):
   """Builds `train(key, bandit, lr) -> TrainOutput` for one algorithm.
 
@@ -154,175 +294,46 @@ def make_train_fn(
     enum: tables of the (X, K, T) bandit.
     policy: the policy class.
     spec: the algorithm.
+    optimizer: the policy's optax optimizer as a function of `learning_rate`
+      (default plain SGD, the comparison's); wrapped in
+      `optax.inject_hyperparams`, and its state is carried across iterations.
 
   Returns:
     A pure function (key: PRNGKey, bandit: Bandit, lr: f32 scalar) ->
-    TrainOutput; jit and vmap it freely.
+    TrainOutput; jit and vmap it freely. The policy's optimizer runs at rate
+    lr, PPO's critic takes SGD steps at rate `critic_lr` (its own optimizer).
   """
-  _check(config, spec)
-  t_, n = enum.num_turns, int(config.group_size)
-  b = enum.num_contexts * n
-  epochs, mbs = int(config.epochs_per_turn), int(config.minibatches_per_turn)
-  if spec.update == "reinforce":
-    epochs, mbs = 1, 1  # on-policy: one gradient step per batch
-  if b % mbs:
-    raise ValueError(
-      f"config key `minibatches_per_turn`={mbs} must divide "
-      f"the batch size num_contexts * group_size = {b}"
+  n = int(config.group_size)
+  _check(config, spec, enum.num_contexts * n)
+  lconfig = learner_config(config, enum, spec)
+  optimizer = optax.inject_hyperparams(optimizer)(learning_rate=1.0)
+  value_fn = critic_optimizer = None
+  if spec.algorithm == "ppo":
+    value_fn, critic_optimizer = make_value_fn(enum), optax.sgd(float(config.critic_lr))
+  update = learner.make_update(
+    make_logprob_fn(enum, policy),
+    optimizer,
+    lconfig,
+    value_fn=value_fn,
+    critic_optimizer=critic_optimizer,
+    jit=False,
+  )
+
+  def _initial_state(lr) -> learner.TrainState:
+    theta = policies_lib.init_params(policy)
+    critic = None
+    if critic_optimizer is not None:
+      critic = jnp.zeros((enum.num_states,), jnp.float32)
+    return learner.TrainState(
+      params=theta,
+      opt_state=_set_learning_rate(optimizer.init(theta), lr),
+      ref_params=None,
+      critic_params=critic,
+      critic_opt_state=None if critic is None else critic_optimizer.init(critic),
+      step=jnp.zeros((), jnp.int32),
+      optimizer_steps=jnp.zeros((), jnp.int32),
+      skipped_updates=jnp.zeros((), jnp.int32),
     )
-  eps, c_eps = float(config.clip_eps), float(config.correction_clip)
-  gamma = float(config.gamma)
-  turn_discount = gamma ** jnp.arange(t_ - 1, -1, -1, dtype=jnp.float32)  # [T]
-  all_turns = jnp.ones((b, t_), jnp.float32)
-
-  def _advantages(rollouts: bandit_lib.Rollouts) -> chex.Array:
-    """Critic-free trajectory advantages, [B]."""
-    groups, g = rollouts.contexts, enum.num_contexts
-    if spec.advantage == "rloo":
-      return losses.rloo_advantages(rollouts.rewards, groups, g)
-    return losses.grae_advantages(
-      rollouts.rewards,
-      groups,
-      g,
-      group_std=spec.norm == "group",
-      batch_norm=spec.norm == "batch",
-      clip=3.0 if spec.norm == "batch" else None,
-    )
-
-  def _run_epochs(key, params, loss_fn, lr):
-    """E epochs x MB minibatches of SGD on loss_fn(params, rows)."""
-
-    def _update_minibatch(params, rows):
-      grads = jax.grad(loss_fn)(params, rows)
-      return _sgd_step(params, grads, lr), None
-
-    def _update_epoch(params, epoch_key):
-      perm = jax.random.permutation(epoch_key, b).reshape(mbs, b // mbs)
-      params, _ = jax.lax.scan(_update_minibatch, params, perm)
-      return params, None
-
-    params, _ = jax.lax.scan(_update_epoch, params, jax.random.split(key, epochs))
-    return params
-
-  def _sequential_update(key, state, rollouts, lr):
-    """SeeUPO: one turn at a time in `spec.order`, with the correction M."""
-    key_order, key_turns = jax.random.split(key)
-    order = losses.update_order(t_, spec.order, key=key_order if spec.order == "random" else None)
-    advantages = _advantages(rollouts)
-    logp_fn = lambda theta, rows=slice(None): policies_lib.action_log_probs(
-      policy, theta, rollouts.states[rows], rollouts.actions[rows]
-    )
-
-    def _update_turn(carry, inputs):
-      theta, correction = carry
-      turn, turn_key = inputs
-      mask = jnp.broadcast_to(jax.nn.one_hot(turn, t_), (b, t_))
-      old_logp = jax.lax.stop_gradient(logp_fn(theta))
-      turn_adv = advantages * correction * turn_discount[turn]
-
-      def _turn_loss(theta, rows):
-        loss, _ = losses.sequence_clip_loss(
-          logp_fn(theta, rows),
-          old_logp[rows],
-          turn_adv[rows],
-          mask[rows],
-          clip_low=eps,
-          clip_high=eps,
-        )
-        return loss
-
-      theta = _run_epochs(turn_key, theta, _turn_loss, lr)
-      new_logp = logp_fn(theta)
-      _, metrics = losses.sequence_clip_loss(
-        new_logp, old_logp, turn_adv, mask, clip_low=eps, clip_high=eps
-      )
-      if spec.correction:
-        correction = losses.seeupo_correction(
-          correction, new_logp, old_logp, mask, clip_low=c_eps, clip_high=c_eps
-        )
-      return (theta, correction), metrics["clip_fraction"]
-
-    (theta, _), clip_fraction = jax.lax.scan(
-      _update_turn,
-      (state.theta, jnp.ones((b,), jnp.float32)),
-      (order, jax.random.split(key_turns, t_)),
-    )
-    return state.replace(theta=theta), clip_fraction.mean()
-
-  def _simultaneous_update(key, state, rollouts, lr):
-    """GRPO / GSPO / REINFORCE: every turn in one loss."""
-    advantages = _advantages(rollouts)[:, None] * turn_discount[None]  # [B,T]
-    logp_fn = lambda theta, rows=slice(None): policies_lib.action_log_probs(
-      policy, theta, rollouts.states[rows], rollouts.actions[rows]
-    )
-    old_logp = jax.lax.stop_gradient(logp_fn(state.theta))
-    clip_loss = losses.token_clip_loss if spec.update == "token_ppu" else losses.sequence_clip_loss
-
-    def _loss(theta, rows):
-      if spec.update == "reinforce":
-        loss, _ = losses.reinforce_loss(logp_fn(theta, rows), advantages[rows], all_turns[rows])
-        return loss
-      loss, _ = clip_loss(
-        logp_fn(theta, rows),
-        old_logp[rows],
-        advantages[rows],
-        all_turns[rows],
-        clip_low=eps,
-        clip_high=eps,
-      )
-      return loss
-
-    theta = _run_epochs(key, state.theta, _loss, lr)
-    if spec.update == "reinforce":
-      return state.replace(theta=theta), jnp.zeros(())
-    _, metrics = clip_loss(
-      logp_fn(theta), old_logp, advantages, all_turns, clip_low=eps, clip_high=eps
-    )
-    return state.replace(theta=theta), metrics["clip_fraction"]
-
-  def _ppo_update(key, state, rollouts, lr):
-    """PPO + GAE with a tabular critic V(state)."""
-    token_rewards = jnp.zeros((b, t_)).at[:, -1].set(rollouts.rewards)
-    values = state.critic[rollouts.states]  # [B, T]
-    advantages, returns = losses.gae_advantages(
-      token_rewards, values, all_turns, gamma=gamma, lam=float(config.gae_lambda)
-    )
-    if spec.norm == "batch":
-      advantages = _whiten(advantages)
-    logp_fn = lambda theta, rows=slice(None): policies_lib.action_log_probs(
-      policy, theta, rollouts.states[rows], rollouts.actions[rows]
-    )
-    old_logp = jax.lax.stop_gradient(logp_fn(state.theta))
-
-    def _loss(params, rows):
-      theta, critic = params
-      policy_loss, _ = losses.token_clip_loss(
-        logp_fn(theta, rows),
-        old_logp[rows],
-        advantages[rows],
-        all_turns[rows],
-        clip_low=eps,
-        clip_high=eps,
-      )
-      critic_loss, _ = losses.value_loss(
-        critic[rollouts.states[rows]], values[rows], returns[rows], all_turns[rows]
-      )
-      # The critic has its own step size: scale its loss by critic_lr / lr.
-      return policy_loss + float(config.critic_lr) / lr * critic_loss
-
-    theta, critic = _run_epochs(key, (state.theta, state.critic), _loss, lr)
-    _, metrics = losses.token_clip_loss(
-      logp_fn(theta), old_logp, advantages, all_turns, clip_low=eps, clip_high=eps
-    )
-    return TrainState(theta, critic), metrics["clip_fraction"]
-
-  update = {
-    "sequential": _sequential_update,
-    "token_ppu": _simultaneous_update,
-    "sequence_ppu": _simultaneous_update,
-    "reinforce": _simultaneous_update,
-    "ppo_gae": _ppo_update,
-  }[spec.update]
 
   def train(key: chex.PRNGKey, bandit: bandit_lib.Bandit, lr: chex.Array) -> TrainOutput:
     """I iterations from the uniform policy; exact J after each."""
@@ -330,18 +341,18 @@ def make_train_fn(
     def _exact_return(theta):
       return bandit_lib.expected_return(bandit, enum, policies_lib.log_policy(policy, theta))
 
-    def _iteration(state, iter_key):
+    def _iteration(state: learner.TrainState, iter_key):
       key_sample, key_update = jax.random.split(iter_key)
-      log_pi = policies_lib.log_policy(policy, state.theta)
+      log_pi = policies_lib.log_policy(policy, state.params)
       rollouts = bandit_lib.sample_rollouts(key_sample, bandit, enum, log_pi, n)
-      state, clip_fraction = update(key_update, state, rollouts, lr)
-      return state, (_exact_return(state.theta), clip_fraction)
+      state, metrics = update(state, rollout_batch(rollouts, log_pi), key_update)
+      return state, (_exact_return(state.params), metrics["clip_fraction"])
 
-    state = TrainState(policies_lib.init_params(policy), jnp.zeros((enum.num_states,), jnp.float32))
+    state = _initial_state(lr)
     _, (returns, clip_fraction) = jax.lax.scan(
       _iteration, state, jax.random.split(key, int(config.num_iterations))
     )
-    returns = jnp.concatenate([_exact_return(state.theta)[None], returns])
+    returns = jnp.concatenate([_exact_return(state.params)[None], returns])
     return TrainOutput(returns, clip_fraction)
 
   return train

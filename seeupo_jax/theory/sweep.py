@@ -165,7 +165,9 @@ def _cached_setting_fn(static_json: str, algorithm: str):
     return out.returns / bandit_lib.optimal_return(bandit)
 
   over_runs = jax.vmap(_one_run, in_axes=(0, 0, None))
-  return jax.jit(jax.vmap(over_runs, in_axes=(None, None, 0)))
+  return jax.jit(
+    jax.vmap(over_runs, in_axes=(None, None, 0)), compiler_options=algorithms.compiler_options()
+  )
 
 
 def run_sweep(config: ml_collections.ConfigDict, log=print) -> dict[tuple[str, str], SettingResult]:
