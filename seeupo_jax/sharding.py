@@ -33,8 +33,11 @@ TOKENS = P(BATCH, None)  # [B, S]
 # (regex on the "/"-joined parameter path, spec). The first match wins; layer
 # parameters carry a leading layer axis (they are stacked for the scan).
 PARAM_RULES: tuple[tuple[str, P], ...] = (
-  (r"^embed/embedding$", P(("fsdp", "tensor"), None)),  # [V, D]
-  (r"^lm_head/kernel$", P("fsdp", "tensor")),  # [D, V]
+  (
+    r"(^|/)embed/embedding$",
+    P(("fsdp", "tensor"), None),
+  ),  # [V, D] (also under a prefix: a critic's trunk)
+  (r"(^|/)lm_head/kernel$", P("fsdp", "tensor")),  # [D, V]
   (r"attn/[qkv]_proj/kernel$", P(None, "fsdp", "tensor")),  # [L, D, N*hd]
   (r"attn/[qkv]_proj/bias$", P(None, "tensor")),  # [L, N*hd]
   (r"attn/o_proj/kernel$", P(None, "tensor", "fsdp")),  # [L, H*hd, D]

@@ -744,3 +744,19 @@ def test_qwen_ppo_update_trains_the_critic(tiny_qwen, two_turn_rollout):
     lambda a, b: np.max(np.abs(np.asarray(a) - np.asarray(b))), state.params, params
   )
   assert max(jax.tree.leaves(policy_moved)) > 1e-5
+
+
+def test_critic_trunk_follows_the_partition_rules():
+  """PPO's critic ({"trunk": qwen params, "value_head": ...}) shards like the policy on a mesh."""
+  from jax.sharding import PartitionSpec as P
+
+  from seeupo_jax import sharding
+
+  config = model_config_lib.get_preset("qwen3-tiny")
+  mesh = sharding.make_mesh(data=1, fsdp=4, tensor=2)
+  shapes = jax.eval_shape(lambda: learner.init_qwen_critic(config, jax.random.key(0)))
+  specs = jax.tree.map(lambda s: s.spec, sharding.param_shardings(shapes, mesh))
+  assert specs["trunk"]["embed"]["embedding"] == P(("fsdp", "tensor"), None)
+  assert "lm_head" not in specs["trunk"]  # the critic reads hidden states only
+  assert specs["trunk"]["layers"]["mlp"]["gate_proj"]["kernel"] == P(None, "fsdp", "tensor")
+  assert specs["value_head"]["kernel"] == P(None)

@@ -76,6 +76,8 @@ def init_qwen_critic(
       verl does); None initialises the trunk from `key`.
   """
   trunk = qwen.init_params(model_config, key) if trunk_params is None else trunk_params
+  # The critic reads hidden states only: no vocabulary head ([D, V], 0.78B values at 14B).
+  trunk = {name: value for name, value in trunk.items() if name != "lm_head"}
   dtype = jnp.dtype(model_config.param_dtype)
   return {
     "trunk": trunk,

@@ -7,10 +7,17 @@ the paper's algorithm box (SeeUPO, `config.algorithm == "seeupo"`):
     A   <- GRAE advantages of the trajectories               (objectives.trajectory_advantages)
     M   <- 1 for every trajectory
     for t in update_order(T):                                 (lax.scan: _update_turn)
-      old_logp <- log pi(turn t's tokens) at the current params   (carried from the last turn)
+      logp <- log pi at the current params                    (the turn's first forward pass)
+      M   <- clip(M * clip(s_prev, 1 -+ c), 1 -+ c)           (objectives.fold_pending_correction:
+             s_prev = the previous updated turn's ratio,        losses.seeupo_correction)
+             after / before its update, from logp
+      old_logp <- logp
       epochs x mini-batches of optax steps on                 (_optimise -> _epoch -> _minibatch_step)
         sequence_clip_loss(turn t, A * M) + kl_coef * KL(turn t)
-      M   <- clip(M * clip(s_t, 1 -+ c), 1 -+ c)              (losses.seeupo_correction)
+
+With one epoch of one mini-batch the turn's first forward pass is its only
+optimizer step's own (`_optimise_from_start`), so SeeUPO costs T optimizer
+steps plus the reference pass.
 
 The baselines (grpo, gspo, reinforce, rloo, ppo) run the same `_optimise` once
 on all turns. Everything is indexed by trajectory row: M, advantages and
