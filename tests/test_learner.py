@@ -209,7 +209,8 @@ def test_compile_does_not_grow_with_num_turns():
 # 2. Everything is indexed by trajectory: permuting the rows permutes nothing else.
 
 
-def test_row_permutation_changes_no_parameter():
+@pytest.mark.parametrize("epochs", [2, 1])  # separate passes; fused (M folded inside the step)
+def test_row_permutation_changes_no_parameter(epochs):
   length, vocab = 40, 7
   # Rows with 1..4 turns at different positions: the shared table couples rows and turns,
   # and after the first turn the correction M differs from 1 and from row to row.
@@ -222,7 +223,7 @@ def test_row_permutation_changes_no_parameter():
     group_ids=[0, 0, 2, 2, 0, 2, 6, 6],
   )
   params = table_params((length, vocab), seed=1)
-  config = learner.LearnerConfig(algorithm="seeupo", num_turns=4, epochs=2, minibatches=1)
+  config = learner.LearnerConfig(algorithm="seeupo", num_turns=4, epochs=epochs, minibatches=1)
   step = cached_update(shared_logprob_fn, ADAMW, config)
   permutation = np.array([5, 2, 7, 0, 3, 6, 1, 4])
 
@@ -245,7 +246,8 @@ def test_row_permutation_changes_no_parameter():
 # 3. Absent turns and absent rows change nothing.
 
 
-def test_turn_that_no_row_has_changes_nothing():
+@pytest.mark.parametrize("epochs, minibatches", [(2, 2), (1, 1)])  # separate passes; fused
+def test_turn_that_no_row_has_changes_nothing(epochs, minibatches):
   length, vocab = 40, 7
   batch = build_batch([4, 2, 3, 4, 1, 4, 3, 2], length=length, vocab=vocab, seed=2)
   assert np.asarray(batch.turn_ids).max() == 3
@@ -253,7 +255,11 @@ def test_turn_that_no_row_has_changes_nothing():
   results = []
   for num_turns in (4, 5):
     config = learner.LearnerConfig(
-      algorithm="seeupo", num_turns=num_turns, epochs=2, minibatches=2, kl_coef=0.05
+      algorithm="seeupo",
+      num_turns=num_turns,
+      epochs=epochs,
+      minibatches=minibatches,
+      kl_coef=0.05,
     )
     step = cached_update(shared_logprob_fn, ADAMW, config)
     state, metrics = run_update(step, ADAMW, params, batch, key=3)
@@ -261,7 +267,7 @@ def test_turn_that_no_row_has_changes_nothing():
   (four, four_metrics), (five, five_metrics) = results
   assert_trees_equal(five.params, four.params)
   assert_trees_equal(five.opt_state, four.opt_state)  # AdamW's moments and count too
-  assert int(five.optimizer_steps) == int(four.optimizer_steps) == 4 * 2 * 2
+  assert int(five.optimizer_steps) == int(four.optimizer_steps) == 4 * epochs * minibatches
   assert five_metrics["turns_updated"] == 4
   assert five_metrics["turn/optimizer_steps"][4] == 0
   np.testing.assert_array_equal(five_metrics["turn/trajectories"], [8, 7, 5, 3, 0])
