@@ -8,7 +8,8 @@
 # 1. MFU of forward+backward for the qwen3-0.6b preset in bf16 (8 x 2048 tokens), two attention
 #    block sizes; the peak is the H100/H200 SXM bf16 dense figure (989 TFLOP/s, datasheet).
 # 2. Decode tokens/s of the sampler on the GPU (our side only).
-# 3. The transformers parity tests on the GPU (float32 logits within 1e-4 of torch's, greedy
+# 3. One SeeUPO update against one GSPO update (the learner; T = 4, bf16), with SeeUPO's MFU.
+# 4. The transformers parity tests on the GPU (float32 logits within 1e-4 of torch's, greedy
 #    generation token for token), which also catch TF32 matmuls sneaking into float32.
 #
 # On a CPU, `PRESET=qwen3-tiny SEQ=64 BATCH=2 NEW=8 SKIP_TESTS=1 bash benchmarks/device_check.sh`
@@ -41,6 +42,9 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log, remember a failure, go on
   done
   step "sampler decode" 180 "$PY" benchmarks/bench_sampler.py --preset "$PRESET" \
     --batch "$BATCH" --new "$NEW" --rounds 3 --no-torch
+  step "learner update" 300 "$PY" benchmarks/bench_learner.py --preset "$PRESET" \
+    --dtype bfloat16 --batch "$BATCH" --seq "$SEQ" --turns 4 --rounds 2 --attn-block 256 \
+    --peak-tflops 989
   if [ -z "${SKIP_TESTS:-}" ]; then  # tests/conftest.py defaults JAX_PLATFORMS to cpu
     step "parity tests" 240 env JAX_PLATFORMS="${TEST_PLATFORM:-cuda}" "$PY" -m pytest -q \
       -p no:cacheprovider -m parity tests/test_checkpoint.py tests/test_sampling_parity.py

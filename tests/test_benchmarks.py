@@ -90,6 +90,7 @@ def test_device_check_script_runs_small_on_the_cpu(tmp_path):
   assert done.returncode == 0, log[-3000:]
   assert "FAILED" not in log
   assert log.count('"mfu"') == 2 and '"jax_tok_per_s"' in log
+  assert '"seeupo_mfu"' in log  # the learner step ran and reported its MFU
 
 
 @pytest.mark.parity

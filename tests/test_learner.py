@@ -713,6 +713,43 @@ def test_qwen_seeupo_update_runs(tiny_qwen, two_turn_rollout):
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state.params))
 
 
+@pytest.mark.parametrize("epochs, minibatches", [(1, 1), (2, 2)])  # fused; separate passes
+def test_qwen_bfloat16_update_shows_the_drift_and_keeps_dtypes(
+  tiny_qwen, two_turn_rollout, epochs, minibatches
+):
+  """A bf16 learner (params and compute) against float32 samples: the gap metric shows the
+  drift, the update runs on both routes and params stay bf16."""
+  config, params = tiny_qwen
+  batch, _, _ = two_turn_rollout
+  bf16 = config.replace(dtype="bfloat16", param_dtype="bfloat16")
+  params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  optimizer = learner.default_optimizer(learning_rate=1e-3)
+  step = learner.make_update(
+    learner.qwen_logprob_fn(bf16, temperature=TEMPERATURE),
+    optimizer,
+    learner.LearnerConfig(algorithm="seeupo", num_turns=2, epochs=epochs, minibatches=minibatches),
+  )
+  state, metrics = run_update(step, optimizer, params16, batch)
+  # Independently: the bf16 model's log-probs of the same tokens, against the f32 sampler's.
+  logp16 = learner.qwen_logprob_fn(bf16, temperature=TEMPERATURE)(
+    params16, jax.tree.map(jnp.asarray, batch)
+  )
+  generated = batch.turn_ids >= 0
+  gap = np.abs(np.asarray(logp16)[generated] - batch.sample_logp[generated])
+  assert gap.max() > 1e-4  # bf16 drift is there, and the metric reports it
+  np.testing.assert_allclose(metrics["sample_logp_gap_max"], gap.max(), rtol=1e-3)
+  np.testing.assert_allclose(metrics["sample_logp_gap_mean"], gap.mean(), rtol=1e-3)
+  assert metrics["optimizer_steps"] == 2 * epochs * minibatches
+  assert metrics["skipped_updates"] == 0 and np.isfinite(metrics["loss"])
+  assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype(jnp.bfloat16)}
+  moved = jax.tree.map(
+    lambda a, b: np.max(np.abs(a.astype(np.float32) - np.asarray(b, np.float32))),
+    state.params,
+    params16,
+  )
+  assert max(jax.tree.leaves(moved)) > 0
+
+
 @pytest.mark.slow  # ~15-25 s on 2 cores: a policy and a critic model, compiled together
 def test_qwen_ppo_update_trains_the_critic(tiny_qwen, two_turn_rollout):
   config, params = tiny_qwen

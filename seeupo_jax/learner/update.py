@@ -268,8 +268,8 @@ def _minibatch_step(fns: UpdateFns, batch: Batch, inputs, state: TrainState, row
   (grads, total, metrics), per_row = jax.lax.scan(
     accumulate, (grads_zero, jnp.zeros((), jnp.float32), metrics_zero), rows
   )
+  grad_norm = optax.global_norm(grads)  # float32, from the float32 sums
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, (state.params, state.critic_params))
-  grad_norm = optax.global_norm(grads)
   has_tokens = denominators[0] > 0
   finite = jnp.isfinite(total) & jnp.isfinite(grad_norm) & (metrics["nonfinite_logp"] == 0)
   apply = has_tokens & finite
@@ -280,10 +280,11 @@ def _minibatch_step(fns: UpdateFns, batch: Batch, inputs, state: TrainState, row
   state = state.replace(skipped_updates=state.skipped_updates + skipped.astype(jnp.int32))
   stats = StepStats(
     grad_norm=grad_norm,
-    ran=apply.astype(jnp.float32),
-    skipped=skipped.astype(jnp.float32),
+    ran=apply,
+    skipped=skipped,
     **{name: metrics[name] for name in StepStats._fields if name in metrics},
   )
+  stats = StepStats(*[jnp.asarray(x, jnp.float32) for x in stats])
   return state, stats, per_row
 
 
