@@ -803,3 +803,26 @@ def test_critic_trunk_follows_the_partition_rules():
   assert "lm_head" not in specs["trunk"]  # the critic reads hidden states only
   assert specs["trunk"]["layers"]["mlp"]["gate_proj"]["kernel"] == P(None, "fsdp", "tensor")
   assert specs["value_head"]["kernel"] == P(None)
+
+
+def test_custom_order_runs_the_order_it_names():
+  """order="custom" with T-1..0 is SeeUPO's reverse order and with 0..T-1 the forward one,
+  bit for bit; reverse and forward differ (the order matters, so the test can fail)."""
+  length, vocab = 40, 7
+  batch = build_batch([4, 1, 3, 2, 4, 2, 3, 1], length=length, vocab=vocab, seed=21)
+  params = table_params((length, vocab), seed=21)
+  base = learner.LearnerConfig(algorithm="seeupo", num_turns=4, epochs=2, minibatches=2)
+  results = {}
+  for name, changes in {
+    "reverse": {},
+    "forward": dict(order="forward"),
+    "custom_reverse": dict(order="custom", custom_order=(3, 2, 1, 0)),
+    "custom_forward": dict(order="custom", custom_order=(0, 1, 2, 3)),
+  }.items():
+    step = cached_update(shared_logprob_fn, ADAMW, base.replace(**changes))
+    results[name], _ = run_update(step, ADAMW, params, batch, key=4)
+  assert_trees_equal(results["custom_reverse"].params, results["reverse"].params)
+  assert_trees_equal(results["custom_forward"].params, results["forward"].params)
+  assert (
+    np.max(np.abs(results["reverse"].params["table"] - results["forward"].params["table"])) > 1e-4
+  )
