@@ -63,9 +63,19 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params: Params)
   )
 
 
+def _placed(params: Params) -> bool:
+  """True when every leaf is a concrete jax.Array (placed on devices), not a tracer or NumPy
+  array: only then do the leaves have shardings to follow. Under jit/vmap (e.g. the bandit
+  runs) init_state builds the state like any traced function."""
+  leaves = jax.tree.leaves(params)
+  return bool(leaves) and all(
+    isinstance(p, jax.Array) and not isinstance(p, jax.core.Tracer) for p in leaves
+  )
+
+
 def _init_opt_state(optimizer: optax.GradientTransformation, params: Params) -> optax.OptState:
   """optimizer.init(params), created directly on the params' shardings (never gathered)."""
-  if not all(isinstance(p, jax.Array) for p in jax.tree.leaves(params)):
+  if not _placed(params):
     return optimizer.init(params)
   return jax.jit(optimizer.init, out_shardings=opt_state_shardings(optimizer, params))(params)
 
@@ -119,8 +129,7 @@ def _counter(params: Params) -> jax.Array:
   """int32 0; on a mesh, replicated on the params' mesh (a NamedSharding), so the update's
   output state has its input's shardings and the second call reuses the first compilation."""
   zero = jnp.zeros((), jnp.int32)
-  leaves = jax.tree.leaves(params)
-  if leaves and all(isinstance(p, jax.Array) for p in leaves):
+  if _placed(params):
     replicated = _replicated_like(params)
     if isinstance(replicated, NamedSharding):
       return jax.device_put(zero, replicated)

@@ -337,9 +337,7 @@ def _optimise_from_start(fns: UpdateFns, state: TrainState, batch: Batch, inputs
   if _fused(fns):
     micro = _micro_rows(fns.config, n)
     rows = jnp.arange(n, dtype=jnp.int32).reshape(micro, fns.config.microbatches).T
-    state, stats, (logp, correction) = _minibatch_step(
-      fns, batch, inputs._replace(old_logp=None), state, rows
-    )
+    state, stats, (logp, correction) = _minibatch_step(fns, batch, inputs, state, rows)
     # Chunk c holds rows c, c + microbatches, ...: undo the stride.
     logp = logp.swapaxes(0, 1).reshape((n,) + logp.shape[2:])
     correction = correction.swapaxes(0, 1).reshape(n)
@@ -385,7 +383,7 @@ def _correction_stats(correction: Array, rows: Array, config: LearnerConfig) -> 
   }
 
 
-def _update_turn(fns, batch, advantages, ref_logp, turn_key, carry: TurnCarry, xs):
+def _update_turn(fns, batch, generated, advantages, ref_logp, turn_key, carry: TurnCarry, xs):
   """Updates one turn (virtual agent) if any trajectory has it; see the module doc.
 
   Its first forward pass gives the log-probs at the current params: turn t's old
@@ -398,7 +396,6 @@ def _update_turn(fns, batch, advantages, ref_logp, turn_key, carry: TurnCarry, x
   mask = batch_lib.turn_mask(batch, turn)
   rows = jnp.any(mask > 0, axis=1)
   has_turn = jnp.any(rows)
-  generated = batch_lib.generated_mask(batch, config.num_turns)
 
   def run(carry: TurnCarry):
     inputs = objectives.LossInputs(
@@ -427,7 +424,7 @@ def _update_turn(fns, batch, advantages, ref_logp, turn_key, carry: TurnCarry, x
   return new_carry, metrics
 
 
-def _sequential_update(fns, state, batch, advantages, ref_logp, key):
+def _sequential_update(fns, state, batch, generated, advantages, ref_logp, key):
   """SeeUPO: the turn scan.
 
   Returns:
@@ -443,7 +440,7 @@ def _sequential_update(fns, state, batch, advantages, ref_logp, key):
     custom=config.custom_order or None,
   )
   has_turn = batch_lib.turns_present(batch, config.num_turns)  # bool[T] by turn id
-  body = functools.partial(_update_turn, fns, batch, advantages, ref_logp, turn_key)
+  body = functools.partial(_update_turn, fns, batch, generated, advantages, ref_logp, turn_key)
   zeros = jnp.zeros(batch.tokens.shape, jnp.float32)
   carry = TurnCarry(state, jnp.ones((batch.num_rows,), jnp.float32), zeros, zeros)
   carry, per_position = jax.lax.scan(body, carry, order)
@@ -510,7 +507,7 @@ def update(fns: UpdateFns, state: TrainState, batch: Batch, key: Array):
     advantage_rows = (advantages[:, None] if advantages.ndim == 1 else advantages) * mask
     if config.sequential:
       state, per_turn, has_turn, gap = _sequential_update(
-        fns, state, batch, advantages, ref_logp, key
+        fns, state, batch, mask, advantages, ref_logp, key
       )
       metrics.update(gap)
       metrics.update({f"turn/{name}": value for name, value in per_turn.items()})

@@ -320,20 +320,16 @@ def make_train_fn(
   )
 
   def _initial_state(lr) -> learner.TrainState:
-    theta = policies_lib.init_params(policy)
     critic = None
     if critic_optimizer is not None:
       critic = jnp.zeros((enum.num_states,), jnp.float32)
-    return learner.TrainState(
-      params=theta,
-      opt_state=_set_learning_rate(optimizer.init(theta), lr),
-      ref_params=None,
+    state = learner.init_state(
+      policies_lib.init_params(policy),
+      optimizer,
       critic_params=critic,
-      critic_opt_state=None if critic is None else critic_optimizer.init(critic),
-      step=jnp.zeros((), jnp.int32),
-      optimizer_steps=jnp.zeros((), jnp.int32),
-      skipped_updates=jnp.zeros((), jnp.int32),
+      critic_optimizer=critic_optimizer,
     )
+    return state.replace(opt_state=_set_learning_rate(state.opt_state, lr))
 
   def train(key: chex.PRNGKey, bandit: bandit_lib.Bandit, lr: chex.Array) -> TrainOutput:
     """I iterations from the uniform policy; exact J after each."""
