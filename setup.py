@@ -30,6 +30,8 @@ setuptools.setup(
     "safetensors>=0.4,<1",
     "jinja2>=3.1,<4",
     "matplotlib>=3.8,<4",
+    "tensorboardX>=2.6,<3",
+    "tqdm>=4.66,<5",
   ],
   extras_require={
     "test": [

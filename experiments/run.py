@@ -1,14 +1,20 @@
 r"""Runs one experiment: a config from the registry, overrides, a workdir.
 
+  python experiments/run.py                      # trains SeeUPO on the synthetic task
+  python experiments/run.py --config=synthetic --workdir=runs/gspo \
+      --config.learner.algorithm=gspo
   python experiments/run.py --config=bandit --workdir=/tmp/bandit \
       --config.num_seeds=100 --config.algorithms=seeupo,grpo
 
-`--config=NAME` picks a config from `experiments/configs` (an unknown name
-is an error that lists the allowed ones); `--config.a.b=value` overrides a
-key (an unknown key is an error naming it). The config's `program` selects
+`--config=NAME` picks a config from `experiments/configs` (default
+`synthetic`; an unknown name is an error that lists the allowed ones);
+`--config.a.b=value` overrides a key (an unknown key is an error naming it);
+`--workdir` defaults to `runs/NAME`. Rerunning a command with the same
+workdir resumes from its last checkpoint. The config's `program` selects
 what runs, from the fixed table `PROGRAMS`. This file only dispatches.
 """
 
+import functools
 import os
 import sys
 
@@ -18,12 +24,14 @@ if _ROOT not in sys.path:
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
 import ml_collections  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from experiments import configs  # noqa: E402
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
+DEFAULT_CONFIG = "synthetic"
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default runs/<config name>).")
 
 
 def _run_bandit(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -32,8 +40,15 @@ def _run_bandit(config: ml_collections.ConfigDict, workdir: str) -> None:
   sweep.main(config, workdir)
 
 
+def _run_train(config: ml_collections.ConfigDict, workdir: str) -> None:
+  from seeupo_jax.training import trainer  # pylint: disable=g-import-not-at-top
+
+  trainer.train(config, workdir)
+
+
 PROGRAMS = {
   "bandit": _run_bandit,
+  "train": _run_train,
 }
 
 
@@ -52,9 +67,7 @@ def split_config_name(argv: list[str]) -> tuple[str, list[str]]:
       name = next(args, None)
     else:
       rest.append(arg)
-  if not name:
-    raise UsageError(f"--config=NAME is required; allowed names: {sorted(configs.CONFIGS)}")
-  return name, rest
+  return name or DEFAULT_CONFIG, rest
 
 
 def check_overrides(config: ml_collections.ConfigDict, name: str, argv: list[str]) -> None:
@@ -63,24 +76,37 @@ def check_overrides(config: ml_collections.ConfigDict, name: str, argv: list[str
     if not arg.startswith("--config."):
       continue
     path = arg[len("--config.") :].split("=", 1)[0]
-    node = config
+    node, where = config, ""
     for part in path.split("."):
       if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+        known = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
         raise UsageError(
-          f"unknown config key {path!r} for --config={name}; known keys: {sorted(config.keys())}"
+          f"unknown config key {path!r} for --config={name}; known keys"
+          f"{' of ' + repr(where) if where else ''}: {known}"
         )
-      node = node[part]
+      node, where = node[part], (f"{where}.{part}" if where else part)
 
 
-def _main(argv: list[str]) -> None:
+def _main(argv: list[str], name: str) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not _WORKDIR.value:
-    raise app.UsageError("--workdir=DIR is required")
+  workdir = _WORKDIR.value or os.path.join("runs", name)
+  if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
+    logging.set_verbosity(logging.WARNING)
   config = flags.FLAGS.config
   if config.program not in PROGRAMS:
     raise app.UsageError(f"config.program={config.program!r}; allowed: {sorted(PROGRAMS)}")
-  PROGRAMS[config.program](config, _WORKDIR.value)
+  from seeupo_jax import envs  # pylint: disable=g-import-not-at-top
+  from seeupo_jax.training import trainer  # pylint: disable=g-import-not-at-top
+
+  try:
+    PROGRAMS[config.program](config, workdir)
+  except envs.EnvironmentUnavailable as e:
+    print(f"error: --config={name}: {e}", file=sys.stderr)
+    sys.exit(2)
+  except trainer.ConfigError as e:
+    print(f"error: bad config for --config={name}: {e}", file=sys.stderr)
+    sys.exit(2)
 
 
 def run(argv: list[str]) -> None:
@@ -93,7 +119,7 @@ def run(argv: list[str]) -> None:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   config_flags.DEFINE_config_dict("config", config, lock_config=True, sys_argv=argv)
-  app.run(_main, argv=argv)
+  app.run(functools.partial(_main, name=name), argv=argv)
 
 
 if __name__ == "__main__":

@@ -132,3 +132,65 @@ def test_bench_learner_reports_seeupo_against_gspo():
   assert row["seeupo_over_gspo"] == pytest.approx(row["seeupo_s"] / row["gspo_s"], rel=0.01)
   floor = 2 * row["optimizer_step_s"] + row["forward_s"]
   assert row["seeupo_over_floor"] == pytest.approx(row["seeupo_s"] / floor, rel=0.01)
+
+
+def test_bench_multiturn_continue_and_reprefill_sample_the_same():
+  result = _run(
+    "bench_multiturn.py",
+    "--preset",
+    "qwen3-tiny",
+    "--batch",
+    "2",
+    "--turns",
+    "2",
+    "--env-tokens",
+    "4",
+    "--reply-tokens",
+    "4",
+    "--repeats",
+    "1",
+  )
+  assert result["tokens_agree"] == 1.0  # same keys, same conversation: the same samples
+  assert [row["turn"] for row in result["turns"]] == [1, 2]
+  assert all(row["continue_ms"] > 0 and row["reprefill_ms"] > 0 for row in result["turns"])
+  assert result["total_ratio"] == pytest.approx(
+    result["reprefill_total_ms"] / result["continue_total_ms"], rel=0.01
+  )
+  # Turn 2's attention work (causal pairs over real tokens): continue feeds positions 7..14
+  # (the pending token, 4 new, 3 sampled), re-prefill 0..14; turn 1 feeds 0..6 for both.
+  turn2 = result["turns"][1]
+  assert turn2["continue_attention_growth"] == pytest.approx(sum(range(8, 16)) / 28, abs=1e-3)
+  assert turn2["reprefill_attention_growth"] == pytest.approx(sum(range(1, 16)) / 28, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_bench_train_times_seeupo_and_gspo_iterations(tmp_path, monkeypatch):
+  # Both programs compile the same rollout sampler: a fresh compilation cache lets the second
+  # read the first's executable (CI time only; the timed rounds come after the warm-up).
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))
+  monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  out = tmp_path / "bench_train.json"
+  result = _run(
+    "bench_train.py",
+    *("--tasks", "2", "--samples", "2", "--num-dials", "2", "--rounds", "2", "--json", str(out)),
+  )
+  assert json.loads(out.read_text()) == result
+  assert result["device_count"] == 1 and result["trajectories"] == 4
+  seeupo, gspo = result["algorithms"]["seeupo"], result["algorithms"]["gspo"]
+  for row in (seeupo, gspo):
+    assert len(row["iterations_s"]) == 2  # 2 rounds of 1 iteration
+    # The parts partition the iteration (rollout other = the rollout's unattributed rest).
+    assert sum(row["share"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert all(share >= 0 for share in row["share"].values())
+    # At most 4 rows x 2 turns x 4 reply tokens are generated.
+    assert 0 < row["generated_tokens_per_iteration"] <= 4 * 2 * 4
+    # overhead = (wall - sampling) / wall = 1 - (tokens / wall) / (tokens / sampling).
+    assert row["bridge_overhead"] == pytest.approx(
+      1 - row["rollout_tokens_per_s"] / row["sampler_tokens_per_s_in_rollout"], abs=2e-3
+    )
+  ratio = result["ratios"]["seeupo_over_gspo"]
+  assert ratio["iteration"] == pytest.approx(seeupo["iteration_s"] / gspo["iteration_s"], rel=0.01)
+  assert len(ratio["per_round"]) == 2
+  plain = result["plain_sampler"]
+  assert plain["rows"] == 4 and plain["new_tokens"] == 4 and plain["calls"] == 2 * 2
+  assert plain["tokens_per_s"] == pytest.approx(4 * 4 / plain["call_s"], rel=0.01)

@@ -6,10 +6,13 @@ A fixed dict, never an import of a user-supplied name. Each config sets
 
 import ml_collections
 
-from experiments.configs import bandit
+from experiments.configs import appworld, bandit, bfcl, synthetic
 
 CONFIGS = {
+  "appworld": appworld,
   "bandit": bandit,
+  "bfcl": bfcl,
+  "synthetic": synthetic,
 }
 
 

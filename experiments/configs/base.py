@@ -1,0 +1,72 @@
+"""The shared shape of every training config; per-program files change only what differs."""
+
+import dataclasses
+
+import ml_collections
+from ml_collections import config_dict
+
+from seeupo_jax.learner import LearnerConfig
+
+
+def options(**kwargs) -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(kwargs)
+
+
+def learner_section(**overrides) -> ml_collections.ConfigDict:
+  """Every `LearnerConfig` field with its default (None defaults typed, so they can be set)."""
+  section = ml_collections.ConfigDict()
+  for field in dataclasses.fields(LearnerConfig):
+    if field.name == "num_turns":  # set from rollout.max_turns
+      continue
+    value = overrides.pop(field.name, field.default)
+    if value is None:
+      value = config_dict.placeholder(str if field.name == "normalisation" else float)
+    section[field.name] = value
+  if overrides:
+    raise ValueError(f"unknown LearnerConfig fields: {sorted(overrides)}")
+  return section
+
+
+def training_config() -> ml_collections.ConfigDict:
+  """Defaults of `program = "train"`: a tiny model from scratch, sized for a 2-core CPU."""
+  c = ml_collections.ConfigDict()
+  c.program = "train"
+  c.seed = 0
+  c.num_iterations = 300
+  c.save_hf = False
+
+  c.model = options(
+    preset="qwen3-tiny",  # used when path is empty: initialised from scratch
+    path="",  # a local HF Qwen2/Qwen2.5/Qwen3 checkpoint directory (its tokenizer too)
+    dtype="float32",  # activations: float32 or bfloat16
+    param_dtype="float32",
+    remat="none",
+    scan_layers=True,
+  )
+  c.chat_template_kwargs = ml_collections.ConfigDict()  # e.g. enable_thinking=False (Qwen3)
+
+  c.env = options(name="synthetic")
+
+  c.rollout = options(
+    tasks_per_iteration=16,  # B
+    samples_per_task=8,  # n (the GRAE group size)
+    max_turns=3,
+    max_context_tokens=160,
+    max_reply_tokens=1,  # the synthetic task reads the first character; raise for real agents
+    max_env_tokens=64,
+    env_workers=4,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+  )
+
+  c.learner = learner_section(kl_coef=0.0)  # from scratch: no reference model to stay near
+  c.learner.algorithm = "seeupo"
+
+  c.optimizer = options(learning_rate=1e-3, weight_decay=0.0, max_grad_norm=1.0, warmup_steps=0)
+
+  c.eval = options(every=25, num_tasks=64, k=4, greedy=False, tasks_per_call=64)
+  c.checkpoint = options(every=25, keep=3)
+  c.log = options(tensorboard=True, progress_bar=True, plot=True, trajectories=2)
+  c.mesh = options(data=1, fsdp=-1, tensor=1)
+  return c

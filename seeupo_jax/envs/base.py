@@ -1,0 +1,99 @@
+"""The environment protocol: what the rollout loop asks of every environment.
+
+An environment is plain Python on the host, one instance per running
+trajectory (the rollout loop creates them with the registry's factory and
+drives them from a thread pool, so an instance is used by one thread at a
+time):
+
+    reset(task_id) -> Reset(messages, tools)     # the conversation's opening messages
+    step(assistant_text) -> Step(observation, done, info)
+    score() -> Score(reward, success, details)   # callable at any point of the episode
+    close()
+
+`step` receives the decoded text of the model's reply and answers with the
+messages that follow it (tool results, a user turn, an error message when the
+reply could not be parsed: malformed model output is the agent's problem to
+see, never an exception). An environment raises only when IT is broken (a
+server down, a task that does not exist): the rollout loop then retries and
+finally drops the whole task group (see `seeupo_jax/rollout.py`), and a run
+where too many groups fail stops with that error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+Message = dict[str, Any]
+"""A chat message: {"role": "system" | "user" | "assistant" | "tool", "content": str, ...}."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reset:
+  """The opening of an episode.
+
+  messages: the chat messages before the first assistant turn (system, user, ...).
+  tools: JSON-schema tool definitions passed to the chat template, or None.
+  """
+
+  messages: list[Message]
+  tools: Optional[list[dict]] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """The environment's answer to one assistant reply.
+
+  observation: the messages that follow the reply (may be empty when done).
+  done: the episode is over (the agent finished, failed for good, or ran out of turns the
+    environment allows).
+  info: anything worth logging about this turn (JSON-able).
+  """
+
+  observation: list[Message]
+  done: bool
+  info: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+  """The outcome of an episode (also of one cut short by a limit).
+
+  reward: the scalar the learner trains on.
+  success: whether the task counts as solved (for success rates and pass@k).
+  details: JSON-able breakdown (checks passed, the answer, ...) kept in the trajectory's metadata.
+  """
+
+  reward: float
+  success: bool
+  details: dict = dataclasses.field(default_factory=dict)
+
+
+class Environment(Protocol):
+  """One episode at a time; see the module docstring."""
+
+  def reset(self, task_id: str) -> Reset: ...
+
+  def step(self, assistant_text: str) -> Step: ...
+
+  def score(self) -> Score: ...
+
+  def close(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSpec:
+  """A registered environment family.
+
+  make: () -> Environment, a fresh instance (bound to its config by the registry).
+  task_ids: split name -> the task ids of that split ("train", "eval").
+  max_turns: the most assistant turns an episode can take (sizes the learner's turn scan).
+  """
+
+  make: Callable[[], Environment]
+  task_ids: Callable[[str], Sequence[str]]
+  max_turns: int
+
+
+class EnvironmentUnavailable(RuntimeError):
+  """An environment that cannot run here (not built yet, or its server/data is missing)."""

@@ -1,0 +1,423 @@
+"""Training checkpoints: the learner state, the PRNG key and the loop's progress, with orbax.
+
+    ckpt = Checkpointer(workdir + "/checkpoints", keep=3, every=10, config=config.to_dict())
+    restored = ckpt.restore_latest(abstract_of(state), abstract_of(rng))
+    if restored is not None:
+      iteration, state, rng, progress = restored
+    ...
+    ckpt.save(iteration, state, rng, {"next_task": ...})   # saves when iteration % every == 0
+    ckpt.close()
+
+One orbax `CheckpointManager` (as MaxText's `common/checkpointing.py`) holds, per saved
+iteration, four items: `train_state` (any pytree of arrays, e.g. a learner `TrainState`, sharded
+or not), `rng` (the key data of the PRNG key), `progress` (a JSON dict of the loop's position)
+and `manifest` (JSON: every leaf's path, shape and dtype, the key's kind and the run's config).
+Saves are synchronous: when `save` returns, the checkpoint is complete on disk, so a kill -9
+after it cannot lose it. Orbax writes each checkpoint into `<iteration>.orbax-checkpoint-tmp-*`
+and renames it to `<iteration>` only when complete, so a kill -9 during a save leaves the previous
+checkpoints as they were; the leftover temporary directory is ignored by `restore_latest` and
+deleted when the next `Checkpointer` opens the directory.
+
+Before restoring, the manifest is compared with the target: a different tree structure, shape or
+dtype (e.g. the model preset changed but the workdir is reused) is a ValueError naming the first
+differing leaf, and a config that differs in keys other than `allowed_to_differ` is a ValueError
+listing them (`check_config`). The HF safetensors export of the model is separate
+(`seeupo_jax.models.checkpoint.save`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping, Optional, Sequence
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+PyTree = Any
+
+DEFAULT_ALLOWED_TO_DIFFER = ("num_iterations", "eval", "log", "checkpoint")
+"""Top-level config sections (dotted prefixes) that may change when a run resumes."""
+
+MANIFEST_FORMAT = 1
+_STATE, _RNG, _PROGRESS, _MANIFEST = "train_state", "rng", "progress", "manifest"
+_KEY_DATA = "key_data"  # orbax's StandardSave takes trees, not single arrays
+
+
+# ----------------------------------------------------------------------------------------------
+# Describing trees: the manifest stored with each checkpoint.
+
+
+def abstract_of(tree: PyTree) -> PyTree:
+  """`jax.ShapeDtypeStruct` of every array leaf, with its sharding (None for NumPy arrays).
+
+  Args:
+    tree: a pytree of jax arrays (e.g. a freshly initialised `TrainState` or a PRNG key), or of
+      ShapeDtypeStructs.
+
+  Returns:
+    The same tree of `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`: a restore target that
+    puts every restored array on the sharding of the matching leaf of `tree`.
+  """
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
+  )
+
+
+def _path_name(path) -> str:
+  """'opt_state/1/0/mu/layers/attn/q_proj/kernel' from a jax tree path."""
+  return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _describe(dtype, shape) -> str:
+  return f"{dtype}[{', '.join(str(d) for d in shape)}]"
+
+
+def tree_manifest(tree: PyTree) -> list[dict[str, Any]]:
+  """[{"path": str, "dtype": str, "shape": [int, ...]}] of the leaves of `tree`, in flatten order.
+
+  Args:
+    tree: a pytree of arrays or ShapeDtypeStructs (None subtrees have no leaves).
+  """
+  return [
+    {"path": _path_name(path), "dtype": str(leaf.dtype), "shape": [int(d) for d in leaf.shape]}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  ]
+
+
+def _is_typed_key(x) -> bool:
+  return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _rng_manifest(rng) -> dict[str, Any]:
+  """{"dtype": "key<fry>" or "uint32", "shape": [...]} of a typed or raw PRNG key (or its abstract)."""
+  return {"dtype": str(rng.dtype), "shape": [int(d) for d in rng.shape]}
+
+
+def check_manifest(saved: Sequence[Mapping[str, Any]], target: PyTree, where: str) -> None:
+  """Raises ValueError unless `target`'s leaves have the saved paths, shapes and dtypes.
+
+  Args:
+    saved: `tree_manifest` of the tree that was saved.
+    target: the tree to restore into (arrays or ShapeDtypeStructs).
+    where: the checkpoint, for the message.
+
+  Raises:
+    ValueError: naming the first leaf (in the target's flatten order, then the checkpoint's extra
+      leaves) that is missing on one side or differs in shape or dtype.
+  """
+  wanted = tree_manifest(target)
+  saved_by_path = {entry["path"]: entry for entry in saved}
+  wanted_by_path = {entry["path"]: entry for entry in wanted}
+  order = [e["path"] for e in wanted] + [
+    e["path"] for e in saved if e["path"] not in wanted_by_path
+  ]
+
+  def describe(entry):
+    return "nothing" if entry is None else _describe(entry["dtype"], entry["shape"])
+
+  differing = []
+  for path in order:
+    old, new = saved_by_path.get(path), wanted_by_path.get(path)
+    if old is None or new is None or (old["dtype"], old["shape"]) != (new["dtype"], new["shape"]):
+      differing.append((path, old, new))
+  if differing:
+    path, old, new = differing[0]
+    raise ValueError(
+      f"checkpoint {where} does not fit the train state to restore into "
+      f"({len(differing)} of {len(order)} leaves differ); first difference at {path!r}: the "
+      f"checkpoint has {describe(old)}, the target has {describe(new)}. The model or learner "
+      "config has probably changed while the workdir was reused: restore the old config or "
+      "start in a new workdir"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs.
+
+
+def _json_default(value: Any) -> Any:
+  """NumPy/jax scalars (and 0-d arrays) as Python numbers; anything else is an error."""
+  if isinstance(value, (np.generic, np.ndarray, jax.Array)) and np.ndim(value) == 0:
+    return np.asarray(value).item()
+  raise TypeError(f"{type(value).__name__} {value!r} is not JSON-serialisable")
+
+
+def _jsonable(value: Any, what: str) -> Any:
+  """`value` after a JSON round trip (tuples become lists, a ConfigDict a dict, NumPy and jax
+  scalars Python numbers)."""
+  if hasattr(value, "to_dict"):
+    value = value.to_dict()
+  try:
+    return json.loads(json.dumps(value, default=_json_default))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{what} must be JSON-serialisable: {e}") from e
+
+
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """{"learner.kl_coef": 0.0, ...}: nested mappings flattened to dotted keys (lists are values)."""
+  flat = {}
+  for key, value in config.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, Mapping) and value:
+      flat.update(flatten_config(value, name + "."))
+    else:
+      flat[name] = value
+  return flat
+
+
+def _allowed(key: str, allowed_to_differ: Sequence[str]) -> bool:
+  return any(key == a or key.startswith(a + ".") for a in allowed_to_differ)
+
+
+def check_config(
+  saved: Mapping[str, Any],
+  current: Mapping[str, Any],
+  allowed_to_differ: Sequence[str] = DEFAULT_ALLOWED_TO_DIFFER,
+) -> None:
+  """Raises ValueError if a resumed run's config differs from the checkpoint's.
+
+  Args:
+    saved: the config stored with the checkpoint (a JSON-able nested dict).
+    current: the config of the run that resumes (nested dict or ConfigDict); compared after a
+      JSON round trip, so a tuple equals the list it was saved as.
+    allowed_to_differ: dotted keys or prefixes that may change ("eval" allows "eval.every", ...).
+
+  Raises:
+    ValueError: listing every other dotted key that was added, removed or changed, with its
+      saved and current values.
+  """
+  old = flatten_config(_jsonable(saved, "the saved config"))
+  new = flatten_config(_jsonable(current, "the current config"))
+  missing = object()
+  changed = []
+  for key in sorted(set(old) | set(new)):
+    a, b = old.get(key, missing), new.get(key, missing)
+    if a != b and not _allowed(key, allowed_to_differ):
+      show = lambda v: "(absent)" if v is missing else json.dumps(v)  # noqa: E731
+      changed.append(f"{key}: {show(a)} in the checkpoint, {show(b)} now")
+  if changed:
+    raise ValueError(
+      f"the config differs from the checkpoint's in {len(changed)} key(s) that must not change "
+      "when a run resumes:\n  " + "\n  ".join(changed) + "\nRestore these values or start in a "
+      f"new workdir (keys allowed to differ: {', '.join(allowed_to_differ)})"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The checkpointer.
+
+
+def _key_data(rng) -> Any:
+  """The uint32 key data of a typed key; a raw key as it is."""
+  return jax.random.key_data(rng) if _is_typed_key(rng) else rng
+
+
+def _abstract_key_data(abstract_rng) -> jax.ShapeDtypeStruct:
+  """The ShapeDtypeStruct of the key data behind `abstract_rng`, on its sharding (a typed key's
+  trailing key-data axis is not named by the sharding's spec, so it stays whole)."""
+  sharding = getattr(abstract_rng, "sharding", None)
+  shape = jax.eval_shape(_key_data, jax.ShapeDtypeStruct(abstract_rng.shape, abstract_rng.dtype))
+  return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
+
+
+def _directory(path: str) -> str:
+  return path if "://" in path else os.path.abspath(path)
+
+
+class Checkpointer:
+  """Keep-last-N checkpoints of (train state, PRNG key, progress) in one directory.
+
+  Args:
+    directory: the checkpoint directory (created), for checkpoints only (e.g.
+      `workdir/checkpoints`); one subdirectory per saved iteration.
+    keep: how many checkpoints to keep (the newest ones), >= 1.
+    every: the save interval: `save` saves iterations divisible by it (or when forced), >= 1.
+    config: the run's config (a JSON-able nested dict or a ConfigDict), stored in every
+      checkpoint's manifest; when given, `restore_latest` checks it against the saved one
+      (`check_config`) and refuses a changed config.
+    allowed_to_differ: the config keys (dotted prefixes) that may change on resume.
+  """
+
+  def __init__(
+    self,
+    directory: str,
+    *,
+    keep: int = 3,
+    every: int = 10,
+    config: Optional[Mapping[str, Any]] = None,
+    allowed_to_differ: Sequence[str] = DEFAULT_ALLOWED_TO_DIFFER,
+  ):
+    if keep < 1 or every < 1:
+      raise ValueError(f"Checkpointer needs keep >= 1 and every >= 1, got {keep=}, {every=}")
+    self.directory = _directory(directory)
+    self.every = every
+    self._config = None if config is None else _jsonable(config, "config")
+    self._allowed_to_differ = tuple(allowed_to_differ)
+    self._manager = ocp.CheckpointManager(
+      self.directory,
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=keep,
+        save_interval_steps=every,
+        create=True,
+        # Deletes the `<step>.orbax-checkpoint-tmp-*` directories of interrupted saves.
+        cleanup_tmp_directories=True,
+        # `save` blocks anyway; without the background thread nothing outlives the call.
+        enable_async_checkpointing=False,
+      ),
+    )
+
+  def latest_iteration(self) -> Optional[int]:
+    """The newest complete checkpoint's iteration, or None if there is none."""
+    return self._manager.latest_step()
+
+  def all_iterations(self) -> list[int]:
+    """The iterations of the complete checkpoints, ascending."""
+    return sorted(self._manager.all_steps())
+
+  def should_save(self, iteration: int) -> bool:
+    """True when `iteration` is on the save interval (iteration % every == 0)."""
+    return iteration % self.every == 0
+
+  def save(
+    self,
+    iteration: int,
+    train_state: PyTree,
+    rng: jax.Array,
+    progress: Mapping[str, Any],
+    *,
+    force: bool = False,
+  ) -> bool:
+    """Saves a checkpoint if `iteration` is on the interval (or `force`), and waits until it is
+    complete on disk. Then drops the oldest checkpoints beyond `keep`.
+
+    Call it before the next update donates `train_state`'s buffers.
+
+    Args:
+      iteration: the checkpoint's iteration (int >= 0); newer than every saved one.
+      train_state: any pytree of jax arrays, e.g. a learner `TrainState` (sharded or not).
+      rng: the loop's PRNG key: a typed key (`jax.random.key`, any shape) or a raw uint32 key.
+      progress: a JSON-able dict of the loop's position (next task index, sampler epoch, ...).
+      force: save even if `iteration` is off the interval (e.g. the last iteration).
+
+    Returns:
+      True if a checkpoint was written; False if the iteration is off the interval (and not
+      forced) or already saved (e.g. a forced final save right after an interval save).
+
+    Raises:
+      ValueError: `iteration` is older than the newest checkpoint, or `progress` is not JSON.
+    """
+    if not (force or self.should_save(iteration)):
+      return False
+    latest = self.latest_iteration()
+    if latest is not None and iteration <= latest:
+      if iteration == latest:
+        return False
+      raise ValueError(
+        f"cannot save iteration {iteration}: {self.directory} already holds the newer "
+        f"iteration {latest}"
+      )
+    manifest = {
+      "format": MANIFEST_FORMAT,
+      _STATE: tree_manifest(train_state),
+      _RNG: _rng_manifest(rng),
+      "config": self._config,
+    }
+    args = ocp.args.Composite(
+      **{
+        _STATE: ocp.args.StandardSave(train_state),
+        _RNG: ocp.args.StandardSave({_KEY_DATA: _key_data(rng)}),
+        _PROGRESS: ocp.args.JsonSave(_jsonable(dict(progress), "progress")),
+        _MANIFEST: ocp.args.JsonSave(manifest),
+      }
+    )
+    saved = self._manager.save(iteration, args=args, force=True)
+    self._manager.wait_until_finished()
+    return bool(saved)
+
+  def _manifest(self, iteration: int) -> dict[str, Any]:
+    restored = self._manager.restore(
+      iteration, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
+    )
+    manifest = restored[_MANIFEST]
+    if not manifest or manifest.get("format") != MANIFEST_FORMAT:
+      raise ValueError(
+        f"checkpoint {self._where(iteration)} has no manifest of format {MANIFEST_FORMAT}: "
+        "it was not written by seeupo_jax.training.checkpoints.Checkpointer"
+      )
+    return manifest
+
+  def _where(self, iteration: int) -> str:
+    return os.path.join(self.directory, str(iteration))
+
+  def saved_config(self, iteration: Optional[int] = None) -> Optional[dict[str, Any]]:
+    """The config stored with checkpoint `iteration` (default: the newest), or None if there
+    is no checkpoint or it was saved without a config."""
+    iteration = self.latest_iteration() if iteration is None else iteration
+    return None if iteration is None else self._manifest(iteration)["config"]
+
+  def restore_latest(
+    self, abstract_train_state: PyTree, abstract_rng: Any
+  ) -> Optional[tuple[int, PyTree, jax.Array, dict[str, Any]]]:
+    """Restores the newest checkpoint onto the shardings of the targets.
+
+    Args:
+      abstract_train_state: the tree to restore into: `jax.ShapeDtypeStruct`s with shardings
+        (e.g. `abstract_of(fresh_state)` or `jax.eval_shape` plus shardings), or arrays. Each
+        array comes back on its target's sharding, which may differ from the saved one (another
+        mesh); a leaf without a sharding comes back on the default device.
+      abstract_rng: the PRNG key's target: a typed key's (dtype `key<impl>`) or a raw uint32
+        key's ShapeDtypeStruct (or the key itself), with its sharding.
+
+    Returns:
+      None if there is no checkpoint; else (iteration, train_state, rng, progress), with
+      `train_state` of `abstract_train_state`'s tree type and `rng` of `abstract_rng`'s kind.
+
+    Raises:
+      ValueError: the checkpoint's tree structure, a shape or dtype, or the PRNG key's kind
+        differs from the target (naming the first differing leaf), or the saved config differs
+        from this Checkpointer's `config` in keys not allowed to differ.
+    """
+    iteration = self.latest_iteration()
+    if iteration is None:
+      return None
+    where = self._where(iteration)
+    manifest = self._manifest(iteration)
+    if self._config is not None:
+      if manifest["config"] is None:
+        logging.warning("checkpoint %s holds no config; the config is not checked", where)
+      else:
+        check_config(manifest["config"], self._config, self._allowed_to_differ)
+    check_manifest(manifest[_STATE], abstract_train_state, where)
+    if manifest[_RNG] != _rng_manifest(abstract_rng):
+      saved, wanted = manifest[_RNG], _rng_manifest(abstract_rng)
+      raise ValueError(
+        f"checkpoint {where} holds a PRNG key {_describe(saved['dtype'], saved['shape'])}, but "
+        f"the target is {_describe(wanted['dtype'], wanted['shape'])} (a typed key restores into "
+        "a typed key of the same implementation, a raw key into a raw key)"
+      )
+    args = ocp.args.Composite(
+      **{
+        _STATE: ocp.args.StandardRestore(abstract_of(abstract_train_state)),
+        _RNG: ocp.args.StandardRestore({_KEY_DATA: _abstract_key_data(abstract_rng)}),
+        _PROGRESS: ocp.args.JsonRestore(),
+      }
+    )
+    restored = self._manager.restore(iteration, args=args)
+    rng = restored[_RNG][_KEY_DATA]
+    if _is_typed_key(abstract_rng):
+      rng = jax.random.wrap_key_data(rng, dtype=abstract_rng.dtype)
+    return iteration, restored[_STATE], rng, dict(restored[_PROGRESS])
+
+  def close(self) -> None:
+    """Waits for pending work and releases the manager."""
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+  def __enter__(self) -> "Checkpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

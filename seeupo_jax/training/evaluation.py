@@ -1,0 +1,43 @@
+"""Held-out evaluation: avg@k and pass@k of k samples per task."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from seeupo_jax.rollout import Roller, Trajectory
+
+
+def pass_at_k(trajectories: Sequence[Trajectory], k: int) -> dict[str, float]:
+  """avg@k = mean success over all samples; pass@k = share of tasks with a success in k samples.
+
+  Trajectories of failed groups (dropped) are left out and counted.
+  """
+  by_task: dict[str, list[bool]] = {}
+  for t in trajectories:
+    if not t.dropped:
+      by_task.setdefault(t.task_id, []).append(t.success)
+  samples = [s for v in by_task.values() for s in v]
+  return {
+    f"avg@{k}": float(np.mean(samples)) if samples else float("nan"),
+    f"pass@{k}": float(np.mean([any(v) for v in by_task.values()])) if by_task else float("nan"),
+    "reward": float(np.mean([t.reward for t in trajectories if not t.dropped]))
+    if samples
+    else float("nan"),
+    "tasks": float(len(by_task)),
+    "failed_tasks": float(len({t.task_id for t in trajectories if t.dropped})),
+  }
+
+
+def evaluate(
+  roller: Roller, params, task_ids: Sequence[str], k: int, rng: jax.Array, tasks_per_call: int
+) -> dict[str, float]:
+  """Runs k samples of every task (in calls of `tasks_per_call` tasks) and scores them."""
+  trajectories: list[Trajectory] = []
+  for start in range(0, len(task_ids), tasks_per_call):
+    rng, key = jax.random.split(rng)
+    result = roller.run(params, task_ids[start : start + tasks_per_call], k, key)
+    trajectories.extend(result.trajectories)
+  return pass_at_k(trajectories, k)

@@ -1,0 +1,281 @@
+"""Training metrics on the host: a JSON-lines log, TensorBoard events, curves and tables.
+
+    log = MetricsLog(workdir, resume_from=first_iteration)
+    log.write(iteration, metrics)          # {"loss": 0-d array, ...}: one line, flushed
+    log.close()
+    plot_curves(read_metrics(log.path), workdir + "/curves.png", keys=("reward", "loss"))
+    print(format_table(rows, ("split", "avg@4", "pass@4")))
+
+`metrics.jsonl` holds one JSON object per line, `{"iteration": i, "time": unix seconds,
+<metric>: float or null, ...}`; NaN and infinities are written as null, so every line is valid
+JSON. A resumed run first drops the lines of the iterations it will write again, so the log never
+holds an iteration twice. In a multi-host run only one process should write.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+_RESERVED = ("iteration", "time")
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading and repairing the JSON-lines file.
+
+
+def _parse_lines(text: str, path: str) -> list[tuple[str, dict[str, Any]]]:
+  """[(line, record)] of a metrics.jsonl text.
+
+  A last line without its newline that does not parse (a write cut short by a crash) is
+  dropped; any other line that does not parse is an error.
+  """
+  lines = text.split("\n")
+  complete = text.endswith("\n")
+  if complete:
+    lines.pop()
+  out = []
+  for number, line in enumerate(lines, start=1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      if number == len(lines) and not complete:
+        break
+      raise ValueError(f"{path}:{number} is not a JSON line: {e}") from e
+    if not isinstance(record, dict) or "iteration" not in record:
+      raise ValueError(f"{path}:{number} is not a metrics record (an object with 'iteration')")
+    out.append((line, record))
+  return out
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+  """The records of a metrics.jsonl file, in file order (NaN/inf values read back as None).
+
+  Args:
+    path: the file written by `MetricsLog`.
+  """
+  with open(path, encoding="utf-8") as f:
+    return [record for _, record in _parse_lines(f.read(), path)]
+
+
+def _atomic_write(path: str, text: str) -> None:
+  """Writes `text` to `path` through a temporary file in the same directory and os.replace."""
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".metrics-", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def _prepare(path: str, resume_from: Optional[int]) -> None:
+  """Drops the records with iteration >= resume_from (and a cut-short last line), atomically."""
+  if not os.path.exists(path):
+    return
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  entries = _parse_lines(text, path)
+  kept = [
+    line for line, record in entries if resume_from is None or record["iteration"] < resume_from
+  ]
+  new_text = "".join(line + "\n" for line in kept)
+  if new_text != text:
+    _atomic_write(path, new_text)
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing.
+
+
+def _scalar(value: Any) -> Optional[float]:
+  """float(value) for a number or a 0-d numeric array (NumPy or jax); None for anything else."""
+  if isinstance(value, (str, bytes)) or value is None:
+    return None
+  array = np.asarray(value)  # fetches a jax array from its device
+  if array.ndim != 0 or array.dtype.kind not in "biuf":
+    return None
+  return float(array)
+
+
+def _json_value(value: float) -> Optional[float]:
+  return value if math.isfinite(value) else None
+
+
+class MetricsLog:
+  """Per-iteration metrics to `workdir/metrics.jsonl` and TensorBoard (`workdir/tensorboard`).
+
+  Args:
+    workdir: the run's directory (created).
+    tensorboard: also write TensorBoard events (tensorboardX).
+    resume_from: None for a run that does not resume: lines already in the file are kept and
+      new ones appended. Otherwise the first iteration this run will write: lines with
+      iteration >= resume_from are dropped first (those of a crashed run logged after its last
+      checkpoint), and TensorBoard purges its events from that step on. Pass the first
+      iteration (e.g. 0) for a fresh start to drop the lines of an earlier attempt.
+  """
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True, resume_from: Optional[int] = None):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, METRICS_FILE)
+    _prepare(self.path, resume_from)
+    self._file = open(self.path, "a", encoding="utf-8")
+    self._writer = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+
+      # Event files are named by the second they were opened and opened with "wb": the suffix
+      # keeps a writer opened in the same second as the last one from overwriting its file.
+      self._writer = SummaryWriter(
+        logdir=os.path.join(workdir, TENSORBOARD_DIR),
+        purge_step=resume_from,
+        filename_suffix=f".{time.time_ns()}",
+      )
+
+  def write(self, iteration: int, metrics: Mapping[str, Any]) -> None:
+    """Appends one line {"iteration", "time", metrics...} and the TensorBoard scalars; flushes.
+
+    Args:
+      iteration: the training iteration (int).
+      metrics: name -> Python number, NumPy or jax scalar or 0-d array. Values that are not
+        scalar numbers (arrays with dimensions, strings, None) are skipped; NaN and +-inf go to
+        the JSON line as null and to TensorBoard as they are.
+
+    Raises:
+      ValueError: a metric is called "iteration" or "time".
+    """
+    clash = [name for name in _RESERVED if name in metrics]
+    if clash:
+      raise ValueError(f"metric names {clash} are reserved for the record's own fields")
+    values = {}
+    for name, value in metrics.items():
+      scalar = _scalar(value)
+      if scalar is not None:
+        values[str(name)] = scalar
+    record = {"iteration": int(iteration), "time": time.time()}
+    record.update({name: _json_value(value) for name, value in values.items()})
+    self._file.write(json.dumps(record, allow_nan=False) + "\n")
+    self._file.flush()
+    if self._writer is not None:
+      for name, value in values.items():
+        self._writer.add_scalar(name, value, global_step=int(iteration))
+      self._writer.flush()
+
+  def close(self) -> None:
+    """Closes the file and the TensorBoard writer."""
+    if not self._file.closed:
+      self._file.close()
+    if self._writer is not None:
+      self._writer.close()
+      self._writer = None
+
+  def __enter__(self) -> "MetricsLog":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Curves and tables.
+
+
+def plot_curves(
+  records: Sequence[Mapping[str, Any]], png_path: str, *, keys: Sequence[str], title: str = ""
+) -> None:
+  """Writes a PNG with one subplot per metric, against the iteration (matplotlib, Agg backend).
+
+  Args:
+    records: metrics records (e.g. `read_metrics`), each with "iteration".
+    png_path: the output file (its directory is created).
+    keys: the metrics to plot, top to bottom; keys in no record are skipped (an empty figure
+      with a note if none is left). None values (NaN in the log) are gaps.
+    title: the figure's title.
+  """
+  # The Figure API with an Agg canvas: no display and no global pyplot state.
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+
+  present = [key for key in keys if any(key in record for record in records)]
+  fig = Figure(figsize=(7.0, 0.6 + 2.2 * max(len(present), 1)))
+  FigureCanvasAgg(fig)
+  if present:
+    axes = fig.subplots(len(present), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, key in zip(axes, present):
+      points = [(r["iteration"], r[key]) for r in records if key in r]
+      x = np.asarray([p[0] for p in points], np.float64)
+      y = np.asarray([np.nan if p[1] is None else p[1] for p in points], np.float64)
+      ax.plot(x, y, marker="." if len(points) <= 50 else None, linewidth=1.2)
+      ax.set_ylabel(key)
+      ax.grid(True, alpha=0.3)
+    axes[-1].set_xlabel("iteration")
+  else:
+    fig.text(0.5, 0.5, f"no records hold any of {list(keys)}", ha="center", va="center")
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  directory = os.path.dirname(png_path)
+  if directory:
+    os.makedirs(directory, exist_ok=True)
+  fig.savefig(png_path, format="png", dpi=100)
+
+
+def _cell(value: Any) -> tuple[str, bool]:
+  """(text, is_number) of one table cell: floats with 3 decimals, None/missing as '-'."""
+  if value is None:
+    return "-", False
+  if isinstance(value, (bool, np.bool_)):
+    return str(bool(value)), False
+  if isinstance(value, (int, np.integer)):
+    return str(int(value)), True
+  scalar = _scalar(value)
+  if scalar is not None:
+    return f"{scalar:.3f}", True
+  return str(value), False
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+  """A plain-text table: a header, a rule, one line per row (no trailing newline).
+
+  Args:
+    rows: one mapping per row; a column missing from a row shows '-'.
+    columns: the columns, left to right (the header names).
+
+  Returns:
+    The table; columns are two spaces apart, floats have 3 decimals; a column of numbers (and
+    '-') is right-aligned, any other column left-aligned.
+  """
+  cells = [[_cell(row.get(column)) for column in columns] for row in rows]
+  widths = [
+    max([len(str(column))] + [len(line[i][0]) for line in cells])
+    for i, column in enumerate(columns)
+  ]
+  numeric = [
+    bool(cells) and all(line[i][1] or line[i][0] == "-" for line in cells)
+    for i in range(len(columns))
+  ]
+
+  def render(texts):
+    parts = [
+      text.rjust(width) if right else text.ljust(width)
+      for text, width, right in zip(texts, widths, numeric)
+    ]
+    return "  ".join(parts).rstrip()
+
+  rule = "  ".join("-" * width for width in widths)
+  lines = [render([str(c) for c in columns]), rule]
+  return "\n".join(lines + [render([text for text, _ in line]) for line in cells])

@@ -1,0 +1,395 @@
+"""The training program: rollouts -> learner update, with evaluation, logs and checkpoints.
+
+    from seeupo_jax.training import trainer
+    trainer.train(config, workdir)      # config: experiments/configs/<name>.py
+
+One iteration:
+
+    tasks  = the next B training tasks (TaskStream, resumable)
+    result = roller.run(params, tasks, n, key_rollout)      # N = B x n trajectories
+    batch  = collate(result.trajectories)                   # tokens exactly as sampled
+    state  = update(state, batch, key_update)               # SeeUPO or a baseline
+
+Everything random comes from one key carried in the checkpoint with the
+learner state and the task position, so a run resumed from a checkpoint makes
+the same iterations as one that never stopped. Evaluation draws its keys from
+(seed, iteration) and never touches the training key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from typing import Any, Optional
+
+from absl import logging
+import jax
+import ml_collections
+import numpy as np
+import optax
+
+from seeupo_jax import chat_tokens
+from seeupo_jax import envs
+from seeupo_jax import learner
+from seeupo_jax import rollout
+from seeupo_jax import sampling
+from seeupo_jax import sharding as sharding_lib
+from seeupo_jax import tokenizer as tokenizer_lib
+from seeupo_jax.models import checkpoint as hf_checkpoint
+from seeupo_jax.models import config as model_config_lib
+from seeupo_jax.models import qwen
+from seeupo_jax.training import checkpoints
+from seeupo_jax.training import evaluation
+from seeupo_jax.training import metrics_log
+from seeupo_jax.training.tasks import TaskStream
+
+CURVE_KEYS = (
+  "reward",
+  "success",
+  "eval/avg@{k}",
+  "eval/pass@{k}",
+  "turns",
+  "length",
+  "loss",
+  "grad_norm",
+  "sample_logp_gap_max",
+  "time/iteration",
+)
+
+
+class ConfigError(ValueError):
+  """A bad config value; the message names the key and the allowed values."""
+
+
+@dataclasses.dataclass
+class Program:
+  """Everything `train` builds from the config (exposed for tests and notebooks)."""
+
+  model_config: model_config_lib.ModelConfig
+  tokenizer: Any
+  chat: chat_tokens.ChatTokens
+  spec: envs.EnvSpec
+  mesh: jax.sharding.Mesh
+  learner_config: learner.LearnerConfig
+  roller: rollout.Roller
+  eval_roller: rollout.Roller
+  update: Any
+  init_state: Any  # () -> TrainState
+
+
+def _section(config: ml_collections.ConfigDict, name: str) -> dict:
+  return config[name].to_dict() if isinstance(config[name], ml_collections.ConfigDict) else {}
+
+
+def build_model(config: ml_collections.ConfigDict):
+  """(ModelConfig, tokenizer, params loader) from `config.model`."""
+  m = config.model
+  overrides = dict(
+    dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, scan_layers=m.scan_layers
+  )
+  if m.path:
+    if not os.path.isdir(m.path):
+      raise ConfigError(f"model.path={m.path!r} is not a local checkpoint directory")
+    model_config = hf_checkpoint.load_config(m.path, **overrides)
+    tokenizer = tokenizer_lib.load_tokenizer(m.path)
+
+    def load(mesh, key):
+      del key
+      return hf_checkpoint.load(m.path, mesh, **overrides)[1]
+
+  else:
+    try:
+      model_config = model_config_lib.get_preset(m.preset, **overrides)
+    except ValueError as e:
+      raise ConfigError(f"model.preset: {e}") from None
+    tokenizer = tokenizer_lib.build_default_tokenizer(model_config.vocab_size)
+
+    def load(mesh, key):
+      params = qwen.init_params(model_config, key)
+      return learner.shard_params(params, mesh)
+
+  if len(tokenizer) > model_config.vocab_size:
+    raise ConfigError(
+      f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+      f"{model_config.vocab_size}"
+    )
+  return model_config, tokenizer, load
+
+
+def build_optimizer(o: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """Global-norm clip, then AdamW with an optional linear warm-up."""
+  lr = o.learning_rate
+  if o.warmup_steps:
+    lr = optax.linear_schedule(0.0, o.learning_rate, o.warmup_steps)
+  return optax.chain(
+    optax.clip_by_global_norm(o.max_grad_norm), optax.adamw(lr, weight_decay=o.weight_decay)
+  )
+
+
+def build(config: ml_collections.ConfigDict) -> Program:
+  """Builds the program's parts from a training config (validating it).
+
+  Raises:
+    ConfigError: a bad value (the message names the key and what is allowed).
+    envs.EnvironmentUnavailable: the config's environment cannot run here.
+  """
+  try:
+    return _build(config)
+  except (ConfigError, envs.EnvironmentUnavailable):
+    raise
+  except (ValueError, TypeError) as e:
+    raise ConfigError(str(e)) from e
+
+
+def _build(config: ml_collections.ConfigDict) -> Program:
+  env_name = config.env.name
+  spec = envs.make_spec(env_name, _section(config.env, env_name) if env_name in config.env else {})
+  r = config.rollout
+  if r.max_turns > spec.max_turns:
+    logging.info("rollout.max_turns=%d > the environment's %d turns", r.max_turns, spec.max_turns)
+  model_config, tokenizer, load_params = build_model(config)
+  chat = chat_tokens.ChatTokens(tokenizer, config.chat_template_kwargs.to_dict())
+  mesh = sharding_lib.make_mesh(**config.mesh.to_dict())
+
+  stops = tuple(sorted(set(tokenizer_lib.stop_token_ids(tokenizer)) | {chat.end_of_turn_id}))
+  pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+  sampling_config = sampling.SamplingConfig(
+    max_new_tokens=r.max_reply_tokens,
+    temperature=r.temperature,
+    top_k=r.top_k,
+    top_p=r.top_p,
+    stop_token_ids=stops,
+    pad_id=pad_id,
+  )
+  eval_sampling = dataclasses.replace(sampling_config, greedy=bool(config.eval.greedy))
+  rollout_config = rollout.RolloutConfig(
+    max_turns=r.max_turns,
+    max_context_tokens=r.max_context_tokens,
+    max_env_tokens=r.max_env_tokens,
+    env_workers=r.env_workers,
+  )
+  cache_sharding = functools.partial(sharding_lib.cache_shardings, mesh=mesh)
+  roller = rollout.Roller(
+    spec, chat, model_config, sampling_config, rollout_config, cache_sharding=cache_sharding
+  )
+  eval_roller = rollout.Roller(
+    spec, chat, model_config, eval_sampling, rollout_config, cache_sharding=cache_sharding
+  )
+
+  learner_fields = {k: v for k, v in config.learner.to_dict().items()}
+  learner_fields["custom_order"] = tuple(learner_fields.get("custom_order") or ())
+  learner_config = learner.LearnerConfig(num_turns=r.max_turns, **learner_fields)
+  optimizer = build_optimizer(config.optimizer)
+  logprob_fn = learner.qwen_logprob_fn(model_config, temperature=r.temperature)
+  ppo = learner_config.algorithm == "ppo"
+  critic_optimizer = build_optimizer(config.optimizer) if ppo else None
+  update = learner.make_update(
+    logprob_fn,
+    optimizer,
+    learner_config,
+    value_fn=learner.qwen_value_fn(model_config) if ppo else None,
+    critic_optimizer=critic_optimizer,
+  )
+
+  def init_state():
+    key = jax.random.key(config.seed)
+    k_params, k_critic = jax.random.split(key)
+    params = load_params(mesh, k_params)
+    critic = None
+    if ppo:
+      critic = learner.shard_params(learner.init_qwen_critic(model_config, k_critic, params), mesh)
+    ref = params if learner_config.kl_coef > 0 else None
+    return learner.init_state(
+      params,
+      optimizer,
+      ref_params=ref,
+      critic_params=critic,
+      critic_optimizer=critic_optimizer,
+    )
+
+  return Program(
+    model_config=model_config,
+    tokenizer=tokenizer,
+    chat=chat,
+    spec=spec,
+    mesh=mesh,
+    learner_config=learner_config,
+    roller=roller,
+    eval_roller=eval_roller,
+    update=update,
+    init_state=init_state,
+  )
+
+
+def _scalars(metrics: dict, prefix: str = "") -> dict[str, float]:
+  """Flattens learner metrics: scalars as they are, per-turn arrays as <name>/t<k>."""
+  out = {}
+  for name, value in metrics.items():
+    value = np.asarray(value)
+    if value.ndim == 0:
+      out[prefix + name] = float(value)
+    elif value.ndim == 1:
+      for k, v in enumerate(value):
+        out[f"{prefix}{name}/t{k}"] = float(v)
+  return out
+
+
+def _eval_key(seed: int, iteration: int) -> jax.Array:
+  return jax.random.fold_in(jax.random.key(seed + 1_000_003), iteration)
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Trains (or resumes) as `config` says, writing logs and checkpoints to `workdir`.
+
+  Returns the last iteration's metrics and the final evaluation.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  program = build(config)
+  k = config.eval.k
+  train_ids = program.spec.task_ids("train")
+  eval_ids = list(program.spec.task_ids("eval"))[: config.eval.num_tasks]
+
+  checkpointer = checkpoints.Checkpointer(
+    os.path.join(workdir, "checkpoints"),
+    keep=config.checkpoint.keep,
+    every=config.checkpoint.every,
+    config=json.loads(config.to_json_best_effort()),
+  )
+  state = program.init_state()
+  rng = jax.random.key(config.seed)
+  iteration, position = 0, 0
+  try:
+    restored = checkpointer.restore_latest(
+      checkpoints.abstract_of(state), checkpoints.abstract_of(rng)
+    )
+  except ValueError as e:  # a changed config or model: say so instead of training something else
+    checkpointer.close()
+    raise ConfigError(f"cannot resume {workdir}: {e}") from e
+  if restored is not None:
+    iteration, state, rng, progress = restored
+    position = int(progress["task_position"])
+    logging.info("resumed from iteration %d (task position %d)", iteration, position)
+    _print(f"resuming {workdir} from iteration {iteration}")
+  stream = TaskStream(train_ids, config.seed, position)
+  # Lines of iterations after the checkpoint (a crash between logging and saving) are dropped.
+  log = metrics_log.MetricsLog(
+    workdir, tensorboard=config.log.tensorboard, resume_from=iteration + 1
+  )
+  bar = _progress_bar(config, iteration)
+  last: dict[str, float] = {}
+  try:
+    with jax.set_mesh(program.mesh):
+      while iteration < config.num_iterations:
+        t0 = time.perf_counter()
+        rng, k_rollout, k_update = jax.random.split(rng, 3)
+        tasks = stream.take(config.rollout.tasks_per_iteration)
+        result = program.roller.run(state.params, tasks, config.rollout.samples_per_task, k_rollout)
+        t1 = time.perf_counter()
+        batch = rollout.collate(
+          result.trajectories,
+          num_turns=program.learner_config.num_turns,
+          max_len=config.rollout.max_context_tokens,
+        )
+        learner.validate(batch, program.learner_config.num_turns)
+        state, learner_metrics = program.update(
+          state, learner.shard_batch(batch, program.mesh), k_update
+        )
+        learner_metrics = jax.device_get(learner_metrics)
+        t2 = time.perf_counter()
+        iteration += 1
+        metrics = dict(result.metrics)
+        metrics.update(_scalars(learner_metrics))
+        metrics["time/rollout"] = t1 - t0
+        metrics["time/update"] = t2 - t1
+        metrics["time/iteration"] = t2 - t0
+        metrics["time/env_wait_share"] = result.metrics["rollout/env_wait_time"] / (t2 - t0)
+        if _due(iteration, config.eval.every, config.num_iterations):
+          metrics.update(_evaluate(program, state, eval_ids, config, iteration, k))
+        log.write(iteration, metrics)
+        _log_trajectories(workdir, iteration, result.trajectories, program, config.log.trajectories)
+        last = metrics
+        if bar is not None:
+          bar.update(1)
+          bar.set_postfix(
+            reward=f"{metrics.get('reward', float('nan')):.3f}",
+            success=f"{metrics.get('success', float('nan')):.3f}",
+          )
+        final = iteration == config.num_iterations
+        if checkpointer.should_save(iteration) or final:
+          progress = {"iteration": iteration, "task_position": stream.position}
+          checkpointer.save(iteration, state, rng, progress, force=final)
+  finally:
+    if bar is not None:
+      bar.close()
+    log.close()
+    checkpointer.close()
+    program.roller.close()
+    program.eval_roller.close()
+  _finish(config, workdir, program, state, k)
+  return last
+
+
+def _print(text: str) -> None:
+  """Prints above the progress bar (tqdm.write), so the bar stays one line."""
+  import tqdm  # pylint: disable=g-import-not-at-top
+
+  tqdm.tqdm.write(text)
+
+
+def _due(iteration: int, every: int, total: int) -> bool:
+  return (every > 0 and iteration % every == 0) or iteration == total
+
+
+def _progress_bar(config, start: int):
+  if not config.log.progress_bar:
+    return None
+  import tqdm  # pylint: disable=g-import-not-at-top
+
+  return tqdm.tqdm(total=config.num_iterations, initial=start, desc="train", unit="it")
+
+
+def _evaluate(program: Program, state, eval_ids, config, iteration: int, k: int) -> dict:
+  k_eval = 1 if config.eval.greedy else k
+  t0 = time.perf_counter()
+  scores = evaluation.evaluate(
+    program.eval_roller,
+    state.params,
+    eval_ids,
+    k_eval,
+    _eval_key(config.seed, iteration),
+    config.eval.tasks_per_call,
+  )
+  out = {f"eval/{name}": value for name, value in scores.items()}
+  out["time/eval"] = time.perf_counter() - t0
+  row = {"iteration": iteration, **{n: v for n, v in scores.items()}}
+  _print(metrics_log.format_table([row], list(row)))
+  return out
+
+
+def _log_trajectories(workdir, iteration, trajectories, program, count: int) -> None:
+  """Appends the first `count` trajectories' text and metadata to trajectories.jsonl."""
+  if count <= 0:
+    return
+  with open(os.path.join(workdir, "trajectories.jsonl"), "a", encoding="utf-8") as f:
+    for t in trajectories[:count]:
+      record = {"iteration": iteration, **t.metadata(), "replies": t.replies}
+      record["text"] = program.tokenizer.decode(t.tokens)
+      f.write(json.dumps(record) + "\n")
+
+
+def _finish(config, workdir: str, program: Program, state, k: int) -> None:
+  """The PNG of the curves and, with save_hf, the HF export of the final policy."""
+  records = metrics_log.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  if config.log.plot and records:
+    keys = [key.format(k=1 if config.eval.greedy else k) for key in CURVE_KEYS]
+    metrics_log.plot_curves(
+      records, os.path.join(workdir, "curves.png"), keys=keys, title=config.env.name
+    )
+  if config.save_hf:
+    out = os.path.join(workdir, "hf_policy")
+    hf_checkpoint.save(state.params, program.model_config, out)
+    program.tokenizer.save_pretrained(out)
+    logging.info("saved the final policy as a HF checkpoint in %s", out)

@@ -1,0 +1,318 @@
+"""The rollout loop: token in / token out, limits, environment failures, collation."""
+
+import dataclasses
+import threading
+import time
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import numpy as np
+import pytest
+
+from seeupo_jax import chat_tokens, envs, learner, rollout, sampling
+from seeupo_jax import tokenizer as tokenizer_lib
+from seeupo_jax.envs import base
+from seeupo_jax.learner.batch import PROMPT_OR_ENV
+from seeupo_jax.models import config as model_config_lib
+from seeupo_jax.models import qwen
+
+MODEL = model_config_lib.get_preset("qwen3-tiny")
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return tokenizer_lib.build_default_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def chat(tok):
+  return chat_tokens.ChatTokens(tok)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return qwen.init_params(MODEL, jax.random.key(0))
+
+
+class ScriptedEnv:
+  """Task "<turns>/<obs words>/<fail>" : ends after <turns> replies; observations of <obs words>
+  words; fail in {"", "reset", "step", "score"} raises there. Reward = number of replies whose
+  text starts with a letter a-m (so it depends on what was sampled)."""
+
+  calls = []
+  lock = threading.Lock()
+
+  def __init__(self, delay=0.0):
+    self.delay = delay
+
+  def reset(self, task_id):
+    turns, words, fail = task_id.split("/")
+    self.turns, self.words, self.fail, self.replies = int(turns), int(words), fail, []
+    if fail == "reset":
+      raise ConnectionError("server down")
+    return base.Reset([{"role": "user", "content": f"task {task_id}"}])
+
+  def step(self, text):
+    time.sleep(self.delay)
+    with self.lock:
+      ScriptedEnv.calls.append(text)
+    self.replies.append(text)
+    if self.fail == "step":
+      raise ConnectionError("server down")
+    done = len(self.replies) >= self.turns
+    obs = [] if done else [{"role": "tool", "content": " ".join(["word"] * self.words)}]
+    return base.Step(obs, done, {})
+
+  def score(self):
+    if self.fail == "score":
+      raise ConnectionError("server down")
+    good = sum(r.lstrip()[:1].lower() in "abcdefghijklm" and r.strip() != "" for r in self.replies)
+    return base.Score(float(good), good == len(self.replies), {"replies": len(self.replies)})
+
+  def close(self):
+    pass
+
+
+def _spec(max_turns=4, delay=0.0):
+  return base.EnvSpec(
+    make=lambda: ScriptedEnv(delay), task_ids=lambda split: [], max_turns=max_turns
+  )
+
+
+def _roller(chat, tok, *, max_turns=4, max_new=5, delay=0.0, **kw):
+  sc = sampling.SamplingConfig(
+    max_new_tokens=max_new,
+    stop_token_ids=tuple(tokenizer_lib.stop_token_ids(tok)),
+    pad_id=tok.pad_token_id,
+  )
+  config = rollout.RolloutConfig(max_turns=max_turns, **kw)
+  return rollout.Roller(_spec(max_turns, delay), chat, MODEL, sc, config)
+
+
+class Recorder:
+  """Wraps the roller's sampler and keeps every call's output, per context row."""
+
+  def __init__(self, roller):
+    self.inner, self.outputs = roller.continue_sample, []
+    roller.continue_sample = self
+
+  def __call__(self, *args, **kwargs):
+    out, context = self.inner(*args, **kwargs)
+    self.outputs.append(jax.device_get(out))
+    return out, context
+
+
+def _teacher_forced(params, batch):
+  return np.asarray(learner.qwen_logprob_fn(MODEL)(params, jax.tree.map(np.asarray, batch)))
+
+
+def test_tokens_in_tokens_out(params, chat, tok):
+  """Every generated token in the batch is the sampler's id with the sampler's log-prob; the
+  learner's teacher-forced log-probs of the batch equal them; env/prompt tokens have turn -1."""
+  roller = _roller(chat, tok, max_turns=4, max_new=6)
+  recorder = Recorder(roller)
+  tasks = ["3/2/", "1/5/", "4/1/", "2/9/"]
+  result = roller.run(params, tasks, 3, jax.random.key(1))
+  roller.close()
+  trajectories = result.trajectories
+  # Replies in the trajectories, in order, against the sampler's raw outputs of each turn.
+  sampled = {}
+  for turn, out in enumerate(recorder.outputs):
+    for r in range(out.tokens.shape[0]):
+      n = int(out.lengths[r])
+      if n:
+        sampled.setdefault(turn, []).append((out.tokens[r, :n].tolist(), out.logprobs[r, :n]))
+  for turn in range(4):
+    mine = []
+    for t in trajectories:
+      ids = [x for x, k in zip(t.tokens, t.turn_ids) if k == turn]
+      lps = [x for x, k in zip(t.logprobs, t.turn_ids) if k == turn]
+      if ids:
+        mine.append((ids, np.asarray(lps, np.float32)))
+    assert sorted(m[0] for m in mine) == sorted(s[0] for s in sampled.get(turn, []))
+    by_ids = {tuple(s[0]): s[1] for s in sampled.get(turn, [])}
+    for ids, lps in mine:
+      np.testing.assert_array_equal(lps, by_ids[tuple(ids)])
+  assert [t.num_turns for t in trajectories] == [3] * 3 + [1] * 3 + [4] * 3 + [2] * 3
+  assert all(t.finish_reason == "done" for t in trajectories)
+
+  batch = rollout.collate(trajectories, num_turns=4, max_len=2048, length_bucket=16)
+  learner.validate(batch, 4)
+  logp = _teacher_forced(params, batch)
+  generated = batch.turn_ids >= 0
+  np.testing.assert_allclose(logp[generated], batch.sample_logp[generated], atol=2e-5)
+  # Prompt and environment tokens: turn -1 and log-prob 0; the text is the conversation.
+  assert np.all(batch.sample_logp[~generated] == 0)
+  t = trajectories[0]
+  text = tok.decode([x for x, k in zip(t.tokens, t.turn_ids) if k == PROMPT_OR_ENV])
+  assert text.startswith("<|im_start|>system\n") and "task 3/2/" in text
+  assert text.count("<tool_response>\nword word\n</tool_response>") == 2
+  # The environment got exactly the decoded replies.
+  for t in trajectories:
+    for turn, reply in enumerate(t.replies):
+      ids = [x for x, k in zip(t.tokens, t.turn_ids) if k == turn]
+      assert reply == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_limits_end_trajectories_cleanly(params, chat, tok):
+  # max_turns below the environment's: "max_turns"; the env still scores.
+  roller = _roller(chat, tok, max_turns=2, max_new=4)
+  result = roller.run(params, ["5/1/"], 2, jax.random.key(2))
+  roller.close()
+  assert {t.finish_reason for t in result.trajectories} == {"max_turns"}
+  assert all(t.num_turns == 2 and t.score_details == {"replies": 2} for t in result.trajectories)
+
+  # The context limit: observations of 40 words stop fitting; no crash, finish reason "context".
+  roller = _roller(chat, tok, max_turns=6, max_new=4, max_context_tokens=150)
+  result = roller.run(params, ["6/40/"], 2, jax.random.key(3))
+  roller.close()
+  for t in result.trajectories:
+    assert t.finish_reason == "context"
+    assert len(t.tokens) <= 150
+    assert 1 <= t.num_turns < 6
+    assert t.score_details == {"replies": t.num_turns}
+
+  # Environment output cut to max_env_tokens, with the marker, and counted.
+  roller = _roller(chat, tok, max_turns=2, max_new=4, max_env_tokens=5)
+  result = roller.run(params, ["2/30/"], 1, jax.random.key(4))
+  roller.close()
+  (t,) = result.trajectories
+  assert t.truncated_env_tokens > 0
+  assert rollout.TRUNCATION_MARKER.strip() in tok.decode(t.tokens)
+  assert result.metrics["truncated_env_tokens"] == t.truncated_env_tokens
+
+  # A reply cut by max_new_tokens is counted, and the environment side closes its turn.
+  roller = _roller(chat, tok, max_turns=2, max_new=1)
+  result = roller.run(params, ["2/1/"], 4, jax.random.key(5))
+  roller.close()
+  for t in result.trajectories:
+    (reply,) = [x for x, k in zip(t.tokens, t.turn_ids) if k == 0]  # one token per reply
+    closed = reply == chat.end_of_turn_id
+    after = t.tokens[t.turn_ids.index(0) + 1]  # the first observation token
+    assert (after == chat.end_of_turn_id) != closed  # closed by the model xor by the env side
+    cut = sum(x != chat.end_of_turn_id for x, k in zip(t.tokens, t.turn_ids) if k >= 0)
+    assert t.truncated_replies == cut
+
+
+@pytest.mark.parametrize("where", ["reset", "step", "score"])
+def test_a_failing_environment_drops_its_whole_group(params, chat, tok, where):
+  roller = _roller(chat, tok, max_turns=3, max_new=3, max_failed_group_fraction=0.5)
+  result = roller.run(params, ["2/1/", f"2/1/{where}", "3/1/"], 2, jax.random.key(6))
+  roller.close()
+  failed = [t for t in result.trajectories if t.task_id.endswith(where)]
+  assert all(t.finish_reason == "env_error" and "server down" in t.error for t in failed)
+  assert all(t.dropped for t in failed)
+  assert not any(t.dropped for t in result.trajectories if t not in failed)
+  assert result.metrics["rollout/failed_groups"] == 1
+  batch = rollout.collate(result.trajectories, num_turns=3, max_len=1024)
+  np.testing.assert_array_equal(batch.row_valid, [True, True, False, False, True, True])
+
+
+def test_too_many_failures_raise_instead_of_zero_rewards(params, chat, tok):
+  roller = _roller(chat, tok, max_turns=3, max_new=3, max_failed_group_fraction=0.25)
+  with pytest.raises(
+    rollout.EnvironmentFailure, match="(?s)2 of 3 task groups failed.*task '2/1/step'.*server down"
+  ):
+    roller.run(params, ["2/1/step", "2/1/reset", "2/1/"], 2, jax.random.key(7))
+  roller.close()
+
+
+def test_finished_rows_leave_the_sampler_batch(params, chat, tok):
+  """16 trajectories, 12 done after one turn: later turns sample 4 rows (bucket 4), not 16."""
+  roller = _roller(chat, tok, max_turns=3, max_new=3, min_row_bucket=4)
+  recorder = Recorder(roller)
+  result = roller.run(params, ["1/1/"] * 3 + ["3/1/"], 4, jax.random.key(8))
+  roller.close()
+  assert [o.tokens.shape[0] for o in recorder.outputs] == [16, 4, 4]
+  batch = rollout.collate(result.trajectories, num_turns=3, max_len=1024, length_bucket=16)
+  logp = _teacher_forced(params, batch)
+  generated = batch.turn_ids >= 0
+  np.testing.assert_allclose(logp[generated], batch.sample_logp[generated], atol=2e-5)
+
+
+def test_environments_run_in_parallel_and_wait_share_is_measured(params, chat, tok):
+  roller = _roller(chat, tok, max_turns=2, max_new=2, delay=0.2, env_workers=16)
+  roller.run(params, ["2/1/"], 16, jax.random.key(9))  # compile
+  start = time.perf_counter()
+  result = roller.run(params, ["2/1/"], 16, jax.random.key(9))
+  wall = time.perf_counter() - start
+  roller.close()
+  # 16 environments x 2 steps x 0.2 s: 6.4 s in sequence, ~0.4 s in parallel.
+  assert wall < 3.0
+  assert 0.35 < result.metrics["rollout/env_wait_time"] < wall
+  assert 0 < result.metrics["rollout/env_wait_share"] < 1
+
+
+def test_synthetic_rollout_scores_match_the_replies(params, chat, tok):
+  spec = envs.make_spec("synthetic", {"num_dials": 3})
+  sc = sampling.SamplingConfig(max_new_tokens=3, stop_token_ids=(chat.end_of_turn_id,))
+  roller = rollout.Roller(spec, chat, MODEL, sc, rollout.RolloutConfig(max_turns=3))
+  result = roller.run(params, spec.task_ids("train")[:4], 4, jax.random.key(10))
+  roller.close()
+  for t in result.trajectories:
+    env = spec.make()
+    env.reset(t.task_id)
+    for reply in t.replies:
+      env.step(reply)
+    assert env.score().reward == t.reward
+
+
+# --- collate: a pure NumPy function ---------------------------------------------------------
+
+
+@st.composite
+def _trajectories(draw):
+  count = draw(st.integers(1, 6))
+  out = []
+  for i in range(count):
+    t = rollout.Trajectory(task_id=f"t{i}", group=draw(st.integers(0, count - 1)), sample=i)
+    t.append(draw(st.lists(st.integers(0, 500), min_size=1, max_size=5)), PROMPT_OR_ENV)
+    for turn in range(draw(st.integers(0, 3))):
+      ids = draw(st.lists(st.integers(0, 500), min_size=1, max_size=4))
+      t.append(ids, turn, [-float(x) / 100 for x in ids])
+      t.append(draw(st.lists(st.integers(0, 500), max_size=3)), PROMPT_OR_ENV)
+    t.reward = draw(st.floats(-1, 1))
+    t.dropped = draw(st.booleans())
+    out.append(t)
+  return out
+
+
+@hypothesis.settings(deadline=None, max_examples=50)
+@hypothesis.given(_trajectories(), st.integers(1, 16), st.integers(0, 3))
+def test_collate_places_each_trajectory_in_its_row(trajectories, bucket, extra_rows):
+  n = len(trajectories) + extra_rows
+  batch = rollout.collate(trajectories, num_turns=3, max_len=64, length_bucket=bucket, num_rows=n)
+  learner.validate(batch, 3)
+  longest = max(len(t.tokens) for t in trajectories)
+  assert batch.tokens.shape == (n, min(64, -(-longest // bucket) * bucket))
+  for i, t in enumerate(trajectories):
+    k = len(t.tokens)
+    assert batch.tokens[i, :k].tolist() == t.tokens
+    assert batch.turn_ids[i, :k].tolist() == t.turn_ids
+    np.testing.assert_array_equal(batch.sample_logp[i, :k], np.float32(t.logprobs))
+    assert batch.token_valid[i].sum() == k and not batch.token_valid[i, k:].any()
+    assert np.all(batch.turn_ids[i, k:] == PROMPT_OR_ENV)
+    assert batch.row_valid[i] == (not t.dropped)
+    assert batch.group_ids[i] == t.group
+    assert batch.rewards[i] == np.float32(t.reward)
+  assert not batch.row_valid[len(trajectories) :].any()
+
+
+def test_collate_refuses_what_it_cannot_hold():
+  t = rollout.Trajectory("a", 0, 0)
+  t.append(list(range(10)), PROMPT_OR_ENV)
+  with pytest.raises(ValueError, match="more than max_len=8"):
+    rollout.collate([t], num_turns=1, max_len=8)
+  t.append([1], 2, [0.0])
+  with pytest.raises(ValueError, match="turn id >= num_turns=2"):
+    rollout.collate([t], num_turns=2, max_len=64)
+  with pytest.raises(ValueError, match="num_rows=0"):
+    rollout.collate([t], num_turns=3, max_len=64, num_rows=0)
+
+
+def test_rollout_config_names_bad_values():
+  with pytest.raises(ValueError, match="RolloutConfig.max_turns must be an int >= 1"):
+    rollout.RolloutConfig(max_turns=0)
+  with pytest.raises(ValueError, match="max_failed_group_fraction must be in"):
+    dataclasses.replace(rollout.RolloutConfig(max_turns=1), max_failed_group_fraction=2.0)

@@ -1,0 +1,195 @@
+"""`experiments/run.py` training: outputs, exact resume after kill -9, errors, HF export."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from seeupo_jax.models import checkpoint as hf_checkpoint
+from seeupo_jax.training import metrics_log
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_RUN = os.path.join(_ROOT, "experiments", "run.py")
+
+# A small, fast run: 2 dials, 4 tasks x 4 samples, evaluation on 4 tasks.
+SMALL = (
+  "--config.env.synthetic.num_dials=2",
+  "--config.rollout.max_turns=2",
+  "--config.rollout.tasks_per_iteration=4",
+  "--config.rollout.samples_per_task=4",
+  "--config.rollout.max_context_tokens=128",
+  "--config.eval.num_tasks=4",
+  "--config.eval.k=2",
+  "--config.log.progress_bar=False",
+)
+
+
+def _env():
+  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+
+
+def _run(*args, timeout=600):
+  return subprocess.run(
+    [sys.executable, _RUN, *args],
+    capture_output=True,
+    text=True,
+    env=_env(),
+    cwd=_ROOT,
+    timeout=timeout,
+  )
+
+
+def _strip_times(records):
+  return [
+    {k: v for k, v in r.items() if k != "time" and not k.startswith(("time/", "rollout/"))}
+    for r in records
+  ]
+
+
+@pytest.mark.slow
+def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
+  args = (
+    *SMALL,
+    "--config.num_iterations=6",
+    "--config.checkpoint.every=2",
+    "--config.save_hf=True",
+  )
+  args += ("--config.eval.every=3",)
+  whole = tmp_path / "whole"
+  proc = _run(f"--workdir={whole}", *args)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+
+  killed = tmp_path / "killed"
+  child = subprocess.Popen(
+    [sys.executable, _RUN, f"--workdir={killed}", *args],
+    env=_env(),
+    cwd=_ROOT,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
+  deadline = time.time() + 300
+  while not (killed / "checkpoints" / "4").exists():  # orbax renames a finished save into place
+    assert child.poll() is None, "the run ended before it could be killed"
+    assert time.time() < deadline
+    time.sleep(0.05)
+  child.send_signal(signal.SIGKILL)
+  child.wait()
+  assert not (killed / "hf_policy").exists()
+
+  proc = _run(f"--workdir={killed}", *args)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "resuming" in proc.stdout + proc.stderr
+  # The same final parameters, bit for bit, and the same per-iteration metrics, each iteration once.
+  a = (whole / "hf_policy" / "model.safetensors").read_bytes()
+  b = (killed / "hf_policy" / "model.safetensors").read_bytes()
+  assert a == b
+  whole_log = metrics_log.read_metrics(str(whole / "metrics.jsonl"))
+  killed_log = metrics_log.read_metrics(str(killed / "metrics.jsonl"))
+  assert [r["iteration"] for r in killed_log] == list(range(1, 7))
+  assert _strip_times(killed_log) == _strip_times(whole_log)
+  # The HF export loads back with our loader, and trains again from its directory (its own
+  # tokenizer, bf16).
+  config, params = hf_checkpoint.load(str(whole / "hf_policy"))
+  assert config.vocab_size == 512 and params["embed"]["embedding"].shape == (512, 64)
+  proc = _run(
+    f"--workdir={tmp_path / 'from_hf'}",
+    *SMALL,
+    "--config.num_iterations=1",
+    f"--config.model.path={whole / 'hf_policy'}",
+    "--config.model.dtype=bfloat16",
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (record,) = metrics_log.read_metrics(str(tmp_path / "from_hf" / "metrics.jsonl"))
+  assert 0 < record["sample_logp_gap_max"] < 1.0  # bf16 activations: a visible, bounded drift
+
+
+@pytest.mark.slow
+def test_outputs_of_a_short_run(tmp_path):
+  proc = _run(
+    f"--workdir={tmp_path}",
+    *SMALL,
+    "--config.num_iterations=2",
+    "--config.eval.every=1",
+    "--config.checkpoint.every=1",
+    "--config.checkpoint.keep=1",
+    "--config.learner.algorithm=gspo",
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "avg@2" in proc.stdout and "pass@2" in proc.stdout  # the evaluation table
+  records = metrics_log.read_metrics(str(tmp_path / "metrics.jsonl"))
+  assert [r["iteration"] for r in records] == [1, 2]
+  for key in (
+    "reward",
+    "success",
+    "turns",
+    "length",
+    "loss",
+    "sample_logp_gap_max",
+    "time/rollout",
+    "time/update",
+    "rollout/env_wait_share",
+    "eval/avg@2",
+    "eval/pass@2",
+    "finish/done",
+  ):
+    assert key in records[-1], key
+  assert records[-1]["sample_logp_gap_max"] < 1e-4  # float32: the sampler's log-probs
+  assert records[-1]["turns"] == 2 and records[-1]["finish/done"] == 1.0
+  assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+  assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tensorboard").iterdir())
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]  # keep=1
+  lines = (tmp_path / "trajectories.jsonl").read_text().splitlines()
+  first = json.loads(lines[0])
+  assert first["finish_reason"] == "done" and "Dial 1" in first["text"]
+
+
+@pytest.mark.parametrize("name", ["bfcl", "appworld"])
+def test_unbuilt_environment_configs_explain_without_a_traceback(tmp_path, name):
+  proc = _run(f"--config={name}", f"--workdir={tmp_path}", timeout=120)
+  assert proc.returncode == 2
+  assert "not part of seeupo-jax yet" in proc.stderr and "Traceback" not in proc.stderr
+  assert "--config=synthetic" in proc.stderr
+
+
+@pytest.mark.parametrize(
+  "flag,message",
+  [
+    ("--config.learner.algorithm=sac", "LearnerConfig.algorithm must be one of"),
+    ("--config.model.preset=qwen9", "allowed: ["),
+    ("--config.env.synthetic.num_dails=3", "known keys of 'env.synthetic'"),
+    ("--config.rollout.max_turns=0", "RolloutConfig.max_turns must be an int >= 1"),
+  ],
+)
+def test_bad_config_names_the_key_and_allowed_values(tmp_path, flag, message):
+  proc = _run(f"--workdir={tmp_path}", flag, timeout=120)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_resuming_with_a_changed_config_is_refused(tmp_path):
+  proc = _run(f"--workdir={tmp_path}", *SMALL, "--config.num_iterations=1")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  proc = _run(
+    f"--workdir={tmp_path}", *SMALL, "--config.num_iterations=2", "--config.learner.clip_low=0.1"
+  )
+  assert proc.returncode == 2
+  assert "learner.clip_low" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_no_flags_means_the_synthetic_config():
+  sys.path.insert(0, _ROOT)
+  from experiments import run  # pylint: disable=g-import-not-at-top
+
+  name, rest = run.split_config_name(["run.py", "--workdir=x"])
+  assert name == "synthetic" and rest == ["run.py", "--workdir=x"]
+  from experiments import configs  # pylint: disable=g-import-not-at-top
+
+  config = configs.get_config(name)
+  assert config.program == "train" and config.learner.algorithm == "seeupo"
+  assert config.model.preset == "qwen3-tiny" and not config.model.path
+  np.testing.assert_equal(config.env.name, "synthetic")
