@@ -392,7 +392,7 @@ class Roller:
       running = [i for i, s in enumerate(slots) if s.running]
       if not running:
         break
-      context, context_rows = self._arrange(context, context_rows, running, len(slots))
+      context, context_rows = self._arrange(context, context_rows, running)
       rows = len(context_rows)
       width = _bucket(max(len(slots[i].new_ids) for i in running), self.config.token_bucket)
       new_ids = np.zeros((rows, width), np.int32)
@@ -400,9 +400,9 @@ class Roller:
       limits = np.zeros((rows,), np.int32)
       is_running = np.zeros((rows,), bool)
       for r, i in enumerate(context_rows):
-        slot = slots[i]
-        if i < 0 or not slot.running:
+        if i < 0 or not slots[i].running:  # a filler row, or a finished trajectory
           continue
+        slot = slots[i]
         ids = slot.new_ids
         new_ids[r, width - len(ids) :] = ids  # left padding
         new_valid[r, width - len(ids) :] = True
@@ -515,7 +515,7 @@ class Roller:
       context = self.grow(context, capacity)
     return context
 
-  def _arrange(self, context, context_rows, running, num_slots):
+  def _arrange(self, context, context_rows, running):
     """The context batch for this turn: created, or shrunk to the running rows' bucket."""
     bucket = _row_bucket(len(running), self.config.min_row_bucket)
     if context is None:

@@ -17,6 +17,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RUN = os.path.join(_ROOT, "experiments", "run.py")
 
 # A small, fast run: 2 dials, 4 tasks x 4 samples, evaluation on 4 tasks.
+LEARN_ITERATIONS = 200  # 2 dials, 8 x 8: seed 0 passed a 5-iteration mean of 0.5 at 117 here
+
 SMALL = (
   "--config.env.synthetic.num_dials=2",
   "--config.rollout.max_turns=2",
@@ -73,7 +75,7 @@ def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
     stderr=subprocess.DEVNULL,
   )
   deadline = time.time() + 300
-  while not (killed / "checkpoints" / "4").exists():  # orbax renames a finished save into place
+  while not (killed / "checkpoints" / "2").exists():  # orbax renames a finished save into place
     assert child.poll() is None, "the run ended before it could be killed"
     assert time.time() < deadline
     time.sleep(0.05)
@@ -90,8 +92,15 @@ def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
   assert a == b
   whole_log = metrics_log.read_metrics(str(whole / "metrics.jsonl"))
   killed_log = metrics_log.read_metrics(str(killed / "metrics.jsonl"))
-  assert [r["iteration"] for r in killed_log] == list(range(1, 7))
+  assert [r["iteration"] for r in killed_log] == list(range(1, 5))
   assert _strip_times(killed_log) == _strip_times(whole_log)
+  whole_text = (whole / "trajectories.jsonl").read_text().splitlines()
+  killed_text = (killed / "trajectories.jsonl").read_text().splitlines()
+  assert [json.loads(x)["text"] for x in killed_text] == [json.loads(x)["text"] for x in whole_text]
+  # Resuming with a changed learner config is refused, naming the key.
+  proc = _run(f"--workdir={whole}", *args, "--config.learner.clip_low=0.1")
+  assert proc.returncode == 2
+  assert "learner.clip_low" in proc.stderr and "Traceback" not in proc.stderr
   # The HF export loads back with our loader, and trains again from its directory (its own
   # tokenizer, bf16).
   config, params = hf_checkpoint.load(str(whole / "hf_policy"))
@@ -117,7 +126,7 @@ def test_outputs_of_a_short_run(tmp_path):
     "--config.eval.every=1",
     "--config.checkpoint.every=1",
     "--config.checkpoint.keep=1",
-    "--config.learner.algorithm=gspo",
+    "--config.learner.algorithm=ppo",  # the critic's trunk starts as a copy of the policy
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "avg@2" in proc.stdout and "pass@2" in proc.stdout  # the evaluation table
@@ -171,16 +180,6 @@ def test_bad_config_names_the_key_and_allowed_values(tmp_path, flag, message):
   assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_resuming_with_a_changed_config_is_refused(tmp_path):
-  proc = _run(f"--workdir={tmp_path}", *SMALL, "--config.num_iterations=1")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  proc = _run(
-    f"--workdir={tmp_path}", *SMALL, "--config.num_iterations=2", "--config.learner.clip_low=0.1"
-  )
-  assert proc.returncode == 2
-  assert "learner.clip_low" in proc.stderr and "Traceback" not in proc.stderr
-
-
 def test_no_flags_means_the_synthetic_config():
   sys.path.insert(0, _ROOT)
   from experiments import run  # pylint: disable=g-import-not-at-top
@@ -193,3 +192,34 @@ def test_no_flags_means_the_synthetic_config():
   assert config.program == "train" and config.learner.algorithm == "seeupo"
   assert config.model.preset == "qwen3-tiny" and not config.model.path
   np.testing.assert_equal(config.env.name, "synthetic")
+
+
+@pytest.mark.slow
+def test_seeupo_learns_the_synthetic_task_well_above_chance(tmp_path):
+  """The short CI version of the 3-dial benchmark: 2 dials (chance 1/4), 8 tasks x 8 samples.
+
+  A randomly initialised model must first find the clue in its context; then success rises
+  fast (the full run and its curve: docs/training.md). Held-out avg@4 at the end must be well
+  above chance, and the training success too.
+  """
+  proc = _run(
+    f"--workdir={tmp_path}",
+    "--config.env.synthetic.num_dials=2",
+    "--config.rollout.max_turns=2",
+    "--config.rollout.tasks_per_iteration=8",
+    f"--config.num_iterations={LEARN_ITERATIONS}",
+    f"--config.eval.every={LEARN_ITERATIONS}",
+    "--config.eval.num_tasks=32",
+    "--config.checkpoint.every=1000",
+    "--config.log.progress_bar=False",
+    "--config.log.plot=False",
+    timeout=900,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  records = metrics_log.read_metrics(str(tmp_path / "metrics.jsonl"))
+  chance = 1 / 4
+  first = np.mean([r["success"] for r in records[:10]])
+  last = np.mean([r["success"] for r in records[-10:]])
+  assert first < 0.45, first  # starts near chance
+  assert last > 0.7, last
+  assert records[-1]["eval/avg@4"] > 2.5 * chance, records[-1]["eval/avg@4"]

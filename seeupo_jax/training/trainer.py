@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 from absl import logging
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -200,7 +201,9 @@ def _build(config: ml_collections.ConfigDict) -> Program:
     params = load_params(mesh, k_params)
     critic = None
     if ppo:
-      critic = learner.shard_params(learner.init_qwen_critic(model_config, k_critic, params), mesh)
+      # The critic's trunk starts as a copy of the policy (its own buffers: the update donates both).
+      trunk = jax.tree.map(jnp.copy, params)
+      critic = learner.shard_params(learner.init_qwen_critic(model_config, k_critic, trunk), mesh)
     ref = params if learner_config.kl_coef > 0 else None
     return learner.init_state(
       params,
@@ -275,6 +278,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     _print(f"resuming {workdir} from iteration {iteration}")
   stream = TaskStream(train_ids, config.seed, position)
   # Lines of iterations after the checkpoint (a crash between logging and saving) are dropped.
+  _drop_lines_after(os.path.join(workdir, "trajectories.jsonl"), iteration)
   log = metrics_log.MetricsLog(
     workdir, tensorboard=config.log.tensorboard, resume_from=iteration + 1
   )
@@ -367,6 +371,25 @@ def _evaluate(program: Program, state, eval_ids, config, iteration: int, k: int)
   row = {"iteration": iteration, **{n: v for n, v in scores.items()}}
   _print(metrics_log.format_table([row], list(row)))
   return out
+
+
+def _drop_lines_after(path: str, iteration: int) -> None:
+  """Rewrites a JSONL log without the records of iterations > `iteration` (atomically)."""
+  if not os.path.exists(path):
+    return
+  with open(path, encoding="utf-8") as f:
+    lines = f.readlines()
+  kept = []
+  for line in lines:
+    try:
+      if json.loads(line)["iteration"] <= iteration:
+        kept.append(line)
+    except (ValueError, KeyError):  # a line cut short by a crash
+      continue
+  if len(kept) != len(lines):
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+      f.writelines(kept)
+    os.replace(path + ".tmp", path)
 
 
 def _log_trajectories(workdir, iteration, trajectories, program, count: int) -> None:
