@@ -38,10 +38,10 @@ The rollout's tokens/s = generated tokens / rollout wall, and its sampler's =
 generated tokens / sampling (both summed over the timed iterations; replies
 can stop early at the end-of-turn token, so fewer than rows x R x D tokens).
 The two sampler rates differ by more than the bridge: the plain sampler's
-cache has prompt + R slots, while the rollout's continuer keeps one cache of
-`Roller.capacity` slots (max_context_tokens + an observation block + R + 1)
-across the D turns and every decode step attends over all of them; the table
-gives both cache sizes. The overhead share above is the bridge's measure.
+cache has prompt + R slots, while the rollout's continuer keeps one cache
+across the D turns, grown in `rollout.cache_bucket` steps as the conversations
+get longer (`Roller.cache_slots` at the end of the call), and every decode step
+attends over all its slots; the table gives both cache sizes. The overhead share above is the bridge's measure.
 
   .venv/bin/python benchmarks/bench_train.py                    # the config's B = 16, n = 8, D = 3
   .venv/bin/python benchmarks/bench_train.py --rounds 5 --iterations-per-round 2
@@ -377,7 +377,7 @@ def main(argv=None):
     num_dials=args.num_dials,
     max_reply_tokens=reply,
     max_context_tokens=max_len,
-    rollout_cache_slots=first.roller.capacity,
+    rollout_cache_slots=first.roller.cache_slots,
     rounds=args.rounds,
     iterations_per_round=args.iterations_per_round,
     warmup_iterations=args.warmup,

@@ -274,6 +274,7 @@ class Roller:
       + 1,
       config.cache_bucket,
     )
+    self.cache_slots = 0  # the KV cache's slots at the end of the last `run` (grown as needed)
     self._pool = concurrent.futures.ThreadPoolExecutor(
       max_workers=config.env_workers, thread_name_prefix="env"
     )
@@ -499,6 +500,8 @@ class Roller:
         logging.warning("environment failure in task %s: %s", t.task_id, t.error)
     wall = time.perf_counter() - t_start
     metrics = _rollout_metrics(trajectories, wall, timers, len(failed_groups))
+    self.cache_slots = 0 if context is None else context.capacity
+    metrics["rollout/cache_slots"] = float(self.cache_slots)
     return RolloutResult(trajectories=trajectories, metrics=metrics)
 
   def _make_room(self, context, width: int):
