@@ -4,14 +4,4 @@ from experiments.configs import base
 
 
 def get_config():
-  config = base.training_config()
-  config.env.name = "appworld"
-  config.rollout.max_turns = 30
-  config.rollout.max_context_tokens = 32768
-  config.rollout.max_reply_tokens = 2048
-  config.rollout.max_env_tokens = 4096
-  config.model.preset = "qwen3-14b"
-  config.learner.kl_coef = 0.002
-  config.optimizer.learning_rate = 1e-6
-  config.optimizer.weight_decay = 0.01
-  return config
+  return base.agent_config("appworld", max_turns=30, max_context_tokens=32768, max_env_tokens=4096)

@@ -70,3 +70,18 @@ def training_config() -> ml_collections.ConfigDict:
   c.log = options(tensorboard=True, progress_bar=True, plot=True, trajectories=2)
   c.mesh = options(data=1, fsdp=-1, tensor=1)
   return c
+
+
+def agent_config(env_name: str, *, max_turns: int, max_context_tokens: int, max_env_tokens: int):
+  """A benchmark config: the paper's Qwen3-14B setting on environment `env_name`."""
+  c = training_config()
+  c.env.name = env_name
+  c.rollout.max_turns = max_turns
+  c.rollout.max_context_tokens = max_context_tokens
+  c.rollout.max_reply_tokens = 2048
+  c.rollout.max_env_tokens = max_env_tokens
+  c.model.preset = "qwen3-14b"
+  c.learner.kl_coef = 0.002
+  c.optimizer.learning_rate = 1e-6
+  c.optimizer.weight_decay = 0.01
+  return c
