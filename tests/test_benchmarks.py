@@ -177,13 +177,17 @@ def test_bench_train_times_seeupo_and_gspo_iterations(tmp_path, monkeypatch):
   assert json.loads(out.read_text()) == result
   assert result["device_count"] == 1 and result["trajectories"] == 4
   seeupo, gspo = result["algorithms"]["seeupo"], result["algorithms"]["gspo"]
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  from experiments.configs import synthetic  # pylint: disable=g-import-not-at-top
+
+  reply = synthetic.get_config().rollout.max_reply_tokens
   for row in (seeupo, gspo):
     assert len(row["iterations_s"]) == 2  # 2 rounds of 1 iteration
     # The parts partition the iteration (rollout other = the rollout's unattributed rest).
     assert sum(row["share"].values()) == pytest.approx(1.0, abs=1e-3)
     assert all(share >= 0 for share in row["share"].values())
-    # At most 4 rows x 2 turns x 4 reply tokens are generated.
-    assert 0 < row["generated_tokens_per_iteration"] <= 4 * 2 * 4
+    # At most 4 rows x 2 turns x R reply tokens are generated (R: the synthetic config's).
+    assert 0 < row["generated_tokens_per_iteration"] <= 4 * 2 * reply
     # overhead = (wall - sampling) / wall = 1 - (tokens / wall) / (tokens / sampling).
     assert row["bridge_overhead"] == pytest.approx(
       1 - row["rollout_tokens_per_s"] / row["sampler_tokens_per_s_in_rollout"], abs=2e-3
@@ -192,5 +196,5 @@ def test_bench_train_times_seeupo_and_gspo_iterations(tmp_path, monkeypatch):
   assert ratio["iteration"] == pytest.approx(seeupo["iteration_s"] / gspo["iteration_s"], rel=0.01)
   assert len(ratio["per_round"]) == 2
   plain = result["plain_sampler"]
-  assert plain["rows"] == 4 and plain["new_tokens"] == 4 and plain["calls"] == 2 * 2
-  assert plain["tokens_per_s"] == pytest.approx(4 * 4 / plain["call_s"], rel=0.01)
+  assert plain["rows"] == 4 and plain["new_tokens"] == reply and plain["calls"] == 2 * 2
+  assert plain["tokens_per_s"] == pytest.approx(4 * reply / plain["call_s"], rel=0.01)

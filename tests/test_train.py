@@ -57,7 +57,7 @@ def _strip_times(records):
 def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
   args = (
     *SMALL,
-    "--config.num_iterations=6",
+    "--config.num_iterations=4",
     "--config.checkpoint.every=2",
     "--config.save_hf=True",
   )
