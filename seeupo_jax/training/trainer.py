@@ -149,8 +149,6 @@ def _build(config: ml_collections.ConfigDict) -> Program:
   env_name = config.env.name
   spec = envs.make_spec(env_name, _section(config.env, env_name) if env_name in config.env else {})
   r = config.rollout
-  if r.max_turns > spec.max_turns:
-    logging.info("rollout.max_turns=%d > the environment's %d turns", r.max_turns, spec.max_turns)
   model_config, tokenizer, load_params = build_model(config)
   chat = chat_tokens.ChatTokens(tokenizer, config.chat_template_kwargs.to_dict())
   mesh = sharding_lib.make_mesh(**config.mesh.to_dict())
@@ -180,7 +178,7 @@ def _build(config: ml_collections.ConfigDict) -> Program:
     spec, chat, model_config, eval_sampling, rollout_config, cache_sharding=cache_sharding
   )
 
-  learner_fields = {k: v for k, v in config.learner.to_dict().items()}
+  learner_fields = config.learner.to_dict()
   learner_fields["custom_order"] = tuple(learner_fields.get("custom_order") or ())
   learner_config = learner.LearnerConfig(num_turns=r.max_turns, **learner_fields)
   optimizer = build_optimizer(config.optimizer)
