@@ -15,7 +15,7 @@ messages that follow it (tool results, a user turn, an error message when the
 reply could not be parsed: malformed model output is the agent's problem to
 see, never an exception). An environment raises only when IT is broken (a
 server down, a task that does not exist): the rollout loop then retries and
-finally drops the whole task group (see `seeupo_jax/rollout.py`), and a run
+finally drops the whole task group (see `seeupo_jax/rollout/roller.py`), and a run
 where too many groups fail stops with that error.
 """
 

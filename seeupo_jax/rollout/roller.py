@@ -62,8 +62,10 @@ import numpy as np
 from seeupo_jax import sampling
 from seeupo_jax.chat_tokens import ChatTokens
 from seeupo_jax.envs import base as envs_base
-from seeupo_jax.learner.batch import PROMPT_OR_ENV, Batch
+from seeupo_jax.learner.batch import PROMPT_OR_ENV
 from seeupo_jax.models.config import ModelConfig
+from seeupo_jax.rollout.trajectory import Trajectory
+from seeupo_jax.rollout.trajectory import bucket as _bucket
 
 TRUNCATION_MARKER = "\n[... observation truncated]"
 FINISH_REASONS = ("done", "max_turns", "context", "env_error")
@@ -127,61 +129,6 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass
-class Trajectory:
-  """One episode, token by token, with its metadata.
-
-  tokens, turn_ids, logprobs: parallel lists; turn_ids[j] = t on reply tokens of turn t
-    (their logprobs are the sampler's), -1 on prompt/template/observation tokens (logprob 0).
-  group: index of the task in the call (the GRAE group); sample: index within the group.
-  """
-
-  task_id: str
-  group: int
-  sample: int
-  tokens: list[int] = dataclasses.field(default_factory=list)
-  turn_ids: list[int] = dataclasses.field(default_factory=list)
-  logprobs: list[float] = dataclasses.field(default_factory=list)
-  replies: list[str] = dataclasses.field(default_factory=list)
-  num_turns: int = 0
-  finish_reason: str = ""
-  reward: float = 0.0
-  success: bool = False
-  score_details: dict = dataclasses.field(default_factory=dict)
-  truncated_replies: int = 0
-  truncated_env_tokens: int = 0
-  error: Optional[str] = None
-  dropped: bool = False  # its group had a failure: not trained on
-  retried_errors: list[str] = dataclasses.field(default_factory=list)  # earlier failed attempts
-
-  def append(self, ids: Sequence[int], turn: int, logprobs: Optional[Sequence[float]] = None):
-    self.tokens.extend(int(i) for i in ids)
-    self.turn_ids.extend([turn] * len(ids))
-    if logprobs is None:
-      self.logprobs.extend([0.0] * len(ids))
-    else:
-      self.logprobs.extend(float(x) for x in logprobs)
-
-  def metadata(self) -> dict:
-    """JSON-able summary for logs."""
-    return {
-      "task_id": self.task_id,
-      "group": self.group,
-      "sample": self.sample,
-      "num_turns": self.num_turns,
-      "num_tokens": len(self.tokens),
-      "finish_reason": self.finish_reason,
-      "reward": self.reward,
-      "success": self.success,
-      "score_details": self.score_details,
-      "truncated_replies": self.truncated_replies,
-      "truncated_env_tokens": self.truncated_env_tokens,
-      "error": self.error,
-      "dropped": self.dropped,
-      "retried_errors": self.retried_errors,
-    }
-
-
-@dataclasses.dataclass
 class RolloutResult:
   trajectories: list[Trajectory]
   metrics: dict[str, float]
@@ -196,10 +143,6 @@ class _Slot:
   tools: Optional[list] = None
   new_ids: list[int] = dataclasses.field(default_factory=list)  # tokens to prefill next
   running: bool = True
-
-
-def _bucket(n: int, multiple: int) -> int:
-  return max(multiple, -(-n // multiple) * multiple)
 
 
 def _row_bucket(n: int, minimum: int) -> int:
@@ -638,56 +581,3 @@ def _rollout_metrics(trajectories, wall: float, timers: dict, failed_groups: int
         np.mean([t.finish_reason == reason for t in trajectories])
       )
   return metrics
-
-
-def collate(
-  trajectories: Sequence[Trajectory],
-  *,
-  num_turns: int,
-  max_len: int,
-  length_bucket: int = 128,
-  num_rows: Optional[int] = None,
-) -> Batch:
-  """The learner's `Batch` (NumPy arrays) of `trajectories`, right-padded.
-
-  L = the longest trajectory rounded up to `length_bucket`, at most `max_len`
-  (a longer trajectory is an error: the rollout's context limit prevents it).
-  Rows keep the trajectories' order; group_ids are their `group`; dropped
-  trajectories get row_valid False. `num_rows` pads with invalid rows.
-  """
-  n = len(trajectories) if num_rows is None else num_rows
-  if n < len(trajectories):
-    raise ValueError(f"num_rows={n} < {len(trajectories)} trajectories")
-  longest = max((len(t.tokens) for t in trajectories), default=1)
-  if longest > max_len:
-    raise ValueError(f"a trajectory has {longest} tokens, more than max_len={max_len}")
-  length = min(max_len, _bucket(longest, length_bucket))
-  tokens = np.zeros((n, length), np.int32)
-  token_valid = np.zeros((n, length), bool)
-  turn_ids = np.full((n, length), PROMPT_OR_ENV, np.int32)
-  sample_logp = np.zeros((n, length), np.float32)
-  rewards = np.zeros((n,), np.float32)
-  group_ids = np.zeros((n,), np.int32)
-  row_valid = np.zeros((n,), bool)
-  for i, t in enumerate(trajectories):
-    k = len(t.tokens)
-    if not (len(t.turn_ids) == len(t.logprobs) == k):
-      raise ValueError(f"trajectory {i}: tokens, turn_ids and logprobs differ in length")
-    if any(x >= num_turns for x in t.turn_ids):
-      raise ValueError(f"trajectory {i} has a turn id >= num_turns={num_turns}")
-    tokens[i, :k] = t.tokens
-    token_valid[i, :k] = True
-    turn_ids[i, :k] = t.turn_ids
-    sample_logp[i, :k] = t.logprobs
-    rewards[i] = t.reward
-    group_ids[i] = t.group
-    row_valid[i] = k > 0 and not t.dropped
-  return Batch(
-    tokens=tokens,
-    token_valid=token_valid,
-    turn_ids=turn_ids,
-    sample_logp=sample_logp,
-    rewards=rewards,
-    group_ids=group_ids,
-    row_valid=row_valid,
-  )

@@ -1,0 +1,33 @@
+"""Rollouts: batches of episodes played by the policy against environments.
+
+    roller = rollout.Roller(spec, chat, model_config, sampling_config, RolloutConfig(max_turns=3))
+    result = roller.run(params, task_ids, samples_per_task=8, rng=key)
+    batch = rollout.collate(result.trajectories, num_turns=3, max_len=1024)
+
+Modules, one role each:
+  trajectory.py  the `Trajectory` record and `collate` (pure NumPy);
+  roller.py      the loop: sampler turns, environment steps, limits, retries and group drops.
+"""
+
+from seeupo_jax.rollout.roller import (
+  FINISH_REASONS,
+  TRUNCATION_MARKER,
+  EnvironmentFailure,
+  Roller,
+  RolloutConfig,
+  RolloutResult,
+  truncate_observation,
+)
+from seeupo_jax.rollout.trajectory import Trajectory, collate
+
+__all__ = [
+  "FINISH_REASONS",
+  "TRUNCATION_MARKER",
+  "EnvironmentFailure",
+  "Roller",
+  "RolloutConfig",
+  "RolloutResult",
+  "Trajectory",
+  "collate",
+  "truncate_observation",
+]
