@@ -1,9 +1,17 @@
 """BFCL v4 multi-turn: the official executor and checker through our environment, safely."""
 
+import ast
+import builtins
+import collections
 import concurrent.futures
+import contextlib
+import functools
+import gc
 import json
 import os
+import pickle
 import random
+import re
 import subprocess
 import sys
 
@@ -212,7 +220,6 @@ json_values = st.recursive(
 def test_executor_strings_hold_exactly_the_parsed_values(arguments):
   """Whatever the values (quotes, backslashes, newlines, unicode), the string handed to the
   executor is one call whose arguments read back as exactly those values."""
-  import ast
 
   source = bfcl_calls.call_source("mv", arguments)
   call = ast.parse(source, mode="eval").body
@@ -270,6 +277,463 @@ def test_each_episode_keeps_its_own_numeric_precision():
     assert mpmath.mp.dps == 15 and decimal.getcontext().prec == 28
   with bfcl._backend_call(mine):
     assert mpmath.mp.dps == 4 and decimal.getcontext().prec == 7
+
+
+# --- the model's garbage is the agent's problem, never an exception ----------------------------
+
+_DEEP = "[" * 1000 + "]" * 1000
+
+GARBLED = [
+  # (what, reply, a fragment of the error message)
+  (
+    "1000-deep arrays as an argument",
+    '<tool_call>{"name": "ls", "arguments": {"a": ' + _DEEP + "}}</tool_call>",
+    "nested too deeply",
+  ),
+  (
+    "100-deep arrays: valid JSON, over the limit",
+    '<tool_call>{"name": "ls", "arguments": {"a": ' + "[" * 100 + "]" * 100 + "}}</tool_call>",
+    "nested too deeply",
+  ),
+  (
+    "deep arrays inside a valid-looking argument",
+    '<tool_call>{"name": "post_tweet", "arguments": {"content": "hi", "tags": ["#a", '
+    + _DEEP
+    + "]}}</tool_call>",
+    "nested too deeply",
+  ),
+  (
+    "1000-deep objects",
+    '<tool_call>{"name": "mkdir", "arguments": {"dir_name": '
+    + '{"a": ' * 1000
+    + "1"
+    + "}" * 1000
+    + "}}</tool_call>",
+    "nested too deeply",
+  ),
+  (
+    "deep arrays in an arguments string",
+    '<tool_call>{"name": "ls", "arguments": "{\\"a\\": ' + _DEEP + '}"}</tool_call>',
+    "the arguments string is nested too deeply",
+  ),
+  (
+    "deep arrays after a valid call",
+    '<tool_call>{"name": "pwd", "arguments": {}}</tool_call>\n'
+    '<tool_call>{"name": "ls", "arguments": {"a": ' + _DEEP + "}}</tool_call>",
+    "nested too deeply",
+  ),
+  (
+    "an integer of 5000 digits",
+    '<tool_call>{"name": "tail", "arguments": {"file_name": "a", '
+    '"lines": ' + "9" * 5000 + "}}</tool_call>",
+    "not valid JSON",
+  ),
+]
+
+
+def _recording_executor(monkeypatch):
+  """The calls the official executor receives from now on."""
+  executed = []
+  official = multi_turn_utils.execute_multi_turn_func_call
+
+  def recording(func_call_list, *args, **kwargs):
+    executed.extend(func_call_list)
+    return official(func_call_list, *args, **kwargs)
+
+  monkeypatch.setattr(multi_turn_utils, "execute_multi_turn_func_call", recording)
+  return executed
+
+
+def _assert_refused(step, executed, fragment):
+  assert not step.done and executed == []
+  assert step.observation and all(
+    m["role"] == "tool" and m["content"].startswith("Error:") for m in step.observation
+  )
+  assert any(fragment in e for e in step.info["errors"]), step.info["errors"]
+
+
+def _finish_with_done(env):
+  """Ends every remaining user turn without a call; the episode's score."""
+  while not env.step("Done.").done:
+    pass
+  score = env.score()
+  env.close()
+  return score
+
+
+@pytest.mark.parametrize("what,reply,fragment", GARBLED, ids=[g[0] for g in GARBLED])
+def test_garbled_replies_are_an_error_observation_and_the_garbled_reward(
+  data, monkeypatch, what, reply, fragment
+):
+  executed = _recording_executor(monkeypatch)
+  env = bfcl.BfclEnv(data, bfcl.BfclConfig())
+  env.reset("multi_turn_base_0")
+  step = env.step(reply)
+  _assert_refused(step, executed, fragment)
+  assert step.info["garbled"]
+  # The episode goes on: the next reply's call runs.
+  step = env.step('<tool_call>{"name": "pwd", "arguments": {}}</tool_call>')
+  assert executed == ["pwd()"] and "errors" not in step.info and not step.done
+  score = _finish_with_done(env)
+  assert not score.success and score.reward == -1.0 and score.details["garbled"]
+
+
+@pytest.mark.parametrize(
+  "function,error",
+  [("_nesting", MemoryError), ("_check_value", RecursionError), ("call_source", MemoryError)],
+)
+def test_any_exception_while_reading_a_reply_is_a_garbled_call(data, monkeypatch, function, error):
+  """Whatever a reading step raises (simulated here: decoding, checking, writing the call), the
+  agent sees an error and the episode is garbled; nothing leaves `step`."""
+
+  def failing(*args, **kwargs):
+    raise error("simulated")
+
+  monkeypatch.setattr(bfcl_calls, function, failing)
+  executed = _recording_executor(monkeypatch)
+  env = bfcl.BfclEnv(data, bfcl.BfclConfig())
+  env.reset("multi_turn_base_0")
+  step = env.step('<tool_call>{"name": "cd", "arguments": {"folder": "document"}}</tool_call>')
+  _assert_refused(step, executed, f"the tool call could not be read ({error.__name__})")
+  assert step.info["garbled"]
+  monkeypatch.undo()
+  assert _finish_with_done(env).reward == -1.0
+
+
+# --- documented types ---------------------------------------------------------------------------
+
+TYPE_ERRORS = [
+  # (entry, function, arguments, the error message)
+  (
+    "multi_turn_base_0",
+    "ls",
+    {"a": "__import__('os').system('ls')"},
+    "ls(a=...): the documented type is 'boolean', the call gives a JSON string",
+  ),
+  (
+    "multi_turn_base_0",
+    "ls",
+    {"a": 1},
+    "ls(a=...): the documented type is 'boolean', the call gives a JSON integer",
+  ),
+  (
+    "multi_turn_base_0",
+    "ls",
+    {"a": None},
+    "ls(a=...): the documented type is 'boolean', the call gives a JSON null",
+  ),
+  (
+    "multi_turn_base_0",
+    "tail",
+    {"file_name": "a", "lines": True},
+    "tail(lines=...): the documented type is 'integer', the call gives a JSON boolean",
+  ),
+  (
+    "multi_turn_base_0",
+    "tail",
+    {"file_name": "a", "lines": 2.0},
+    "tail(lines=...): the documented type is 'integer', the call gives a JSON number",
+  ),
+  (
+    "multi_turn_base_0",
+    "cd",
+    {"folder": ["document"]},
+    "cd(folder=...): the documented type is 'string', the call gives a JSON array",
+  ),
+  (
+    "multi_turn_base_0",
+    "post_tweet",
+    {"content": "hi", "tags": ["#a", 3]},
+    "post_tweet(tags=...)[1]: the documented type is 'string', the call gives a JSON integer",
+  ),
+  (
+    "multi_turn_base_0",
+    "post_tweet",
+    {"content": "hi", "tags": "#a"},
+    "post_tweet(tags=...): the documented type is 'array', the call gives a JSON string",
+  ),
+  (
+    "multi_turn_base_15",
+    "mean",
+    {"numbers": [1, "2"]},
+    "mean(numbers=...)[1]: the documented type is 'float', the call gives a JSON string",
+  ),
+  (
+    "multi_turn_base_15",
+    "mean",
+    {"numbers": [1, False]},
+    "mean(numbers=...)[1]: the documented type is 'float', the call gives a JSON boolean",
+  ),
+  (
+    "multi_turn_base_48",
+    "edit_ticket",
+    {"ticket_id": 654321, "updates": []},
+    "edit_ticket(updates=...): the documented type is 'dict', the call gives a JSON array",
+  ),
+  (
+    "multi_turn_base_48",
+    "edit_ticket",
+    {"ticket_id": 654321, "updates": {"priority": "2"}},
+    "edit_ticket(updates=...)['priority']: the documented type is 'integer', the call gives a JSON string",
+  ),
+  (
+    "multi_turn_base_48",
+    "edit_ticket",
+    {"ticket_id": 654321, "updates": {"owner": "me"}},
+    "edit_ticket(updates=...): no field 'owner'; its fields: ['title', 'description', 'status', 'priority']",
+  ),
+  # The data's exception is close_ticket's alone, and only for strings.
+  (
+    "multi_turn_base_48",
+    "get_ticket",
+    {"ticket_id": "654321"},
+    "get_ticket(ticket_id=...): the documented type is 'integer', the call gives a JSON string",
+  ),
+  (
+    "multi_turn_base_48",
+    "close_ticket",
+    {"ticket_id": True},
+    "close_ticket(ticket_id=...): the documented type is 'integer', the call gives a JSON boolean",
+  ),
+]
+
+
+@pytest.mark.parametrize("entry_id,function,arguments,message", TYPE_ERRORS)
+def test_documented_types_are_enforced(data, monkeypatch, entry_id, function, arguments, message):
+  executed = _recording_executor(monkeypatch)
+  env = bfcl.BfclEnv(data, bfcl.BfclConfig())
+  env.reset(entry_id)
+  step = env.step(bfcl_calls.format_tool_call(function, arguments))
+  _assert_refused(step, executed, message)
+  assert step.info["errors"] == [message] and "garbled" not in step.info
+  assert step.observation == [
+    {"role": "tool", "content": f"Error: {message}. None of the calls in this reply were run."}
+  ]
+  score = _finish_with_done(env)
+  assert not score.success and score.reward == 0.0 and not score.details["garbled"]
+
+
+@pytest.mark.parametrize(
+  "entry_id,function,arguments",
+  [
+    ("multi_turn_base_0", "ls", {"a": True}),
+    ("multi_turn_base_0", "tail", {"file_name": "a", "lines": 3}),
+    ("multi_turn_base_0", "post_tweet", {"content": "hi", "tags": ["#a", "#b"], "mentions": []}),
+    ("multi_turn_base_15", "mean", {"numbers": [1, 2.5, -3]}),  # a float accepts an integer
+    ("multi_turn_base_48", "edit_ticket", {"ticket_id": 654321, "updates": {"priority": 2}}),
+  ],
+)
+def test_calls_of_the_documented_types_run(data, monkeypatch, entry_id, function, arguments):
+  executed = _recording_executor(monkeypatch)
+  env = bfcl.BfclEnv(data, bfcl.BfclConfig())
+  env.reset(entry_id)
+  step = env.step(bfcl_calls.format_tool_call(function, arguments))
+  env.close()
+  assert "errors" not in step.info
+  assert executed == [bfcl_calls.call_source(function, arguments)]
+
+
+def _ground_truth_type_errors(data) -> dict[tuple[str, str], set[str]]:
+  """(function, parameter) -> the entries whose ground truth `check_call` refuses there."""
+  refused = collections.defaultdict(set)
+  for entry in data.entries.values():
+    docs = {d["name"]: d for d in entry.docs}
+    docs.update({d["name"]: d for withheld in entry.missed_docs.values() for d in withheld})
+    names = functools.partial(data.parameter_names, entry)
+    for source in [s for turn in entry.ground_truth for s in turn]:
+      name, arguments = bfcl_calls.ground_truth_call(source, names)
+      try:
+        bfcl_calls.check_call(name, arguments, docs)
+      except bfcl_calls.CallError as e:
+        where = re.match(r"(\w+)\((\w+)=\.\.\.\)", str(e))
+        assert where, (entry.entry_id, source, str(e))  # only types may fail, never names
+        refused[where.groups()].add(entry.entry_id)
+  return dict(refused)
+
+
+def test_the_type_exceptions_are_exactly_what_the_ground_truth_needs(data, monkeypatch):
+  """Every ground-truth call of the 800 entries is checked against its docs: with the table of
+  exceptions the data's calls all pass; without it, exactly the table's calls are refused."""
+  table = {(e.function, e.parameter): set(e.entries) for e in bfcl_calls.DATA_TYPE_EXCEPTIONS}
+  assert table == {
+    ("close_ticket", "ticket_id"): {f"{split}_173" for split in bfcl.SPLITS},
+  }
+  assert _ground_truth_type_errors(data) == {}
+  monkeypatch.setattr(bfcl_calls, "_EXCEPTIONS", {})
+  assert _ground_truth_type_errors(data) == table
+  monkeypatch.undo()
+  for exception in bfcl_calls.DATA_TYPE_EXCEPTIONS:
+    for entry_id in exception.entries:
+      score, _ = _play(data, entry_id, bfcl.oracle_replies(data, entry_id))
+      assert score.success, (entry_id, score.details)
+
+
+def test_function_docs_use_only_the_checked_types():
+  bfcl_calls.check_doc({"name": "f", "parameters": {"properties": {"x": {"type": "float"}}}}, "f")
+  for schema, path in [
+    ({"type": "tuple"}, "f.x"),
+    ({"type": "array", "items": {"type": "any"}}, "f.x[]"),
+    ({"type": "dict", "properties": {"y": {}}}, "f.x.y"),
+  ]:
+    doc = {"name": "f", "parameters": {"properties": {"x": schema}}}
+    with pytest.raises(ValueError, match=re.escape(f"docs.json: {path} has type")):
+      bfcl_calls.check_doc(doc, "docs.json")
+  doc = {"name": "f", "parameters": {"properties": {"m": {"type": "string", "enum": ["a", "b"]}}}}
+  bfcl_calls.check_call("f", {"m": "a"}, {"f": doc})
+  with pytest.raises(bfcl_calls.CallError, match=re.escape("f(m=...): must be one of ['a', 'b']")):
+    bfcl_calls.check_call("f", {"m": "c"}, {"f": doc})
+
+
+# --- threads ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _thread_switch_stress(gc_threshold: int = 100):
+  """Thread switches every microsecond, and Python code run inside garbage collections, which
+  happen every `gc_threshold` allocations. A thread in `ast.parse`'s C code gives the GIL away
+  only when Python code runs mid-parse, as finalizers and gc callbacks do in a collection that
+  the parse's allocations start (a training process has plenty; here a no-op gc callback stands
+  for them). On the unlocked code, switches alone crashed 0 of 13 runs of the 800-entry oracle;
+  this (threshold 100) crashed 5 of 5."""
+  interval, threshold = sys.getswitchinterval(), gc.get_threshold()
+
+  def in_every_collection(phase, info):
+    pass
+
+  sys.setswitchinterval(1e-6)
+  gc.set_threshold(gc_threshold)
+  gc.callbacks.append(in_every_collection)
+  try:
+    yield
+  finally:
+    gc.callbacks.remove(in_every_collection)
+    gc.set_threshold(*threshold)
+    sys.setswitchinterval(interval)
+
+
+def _parse_on_threads(data, rounds: int) -> None:
+  """8 threads reading ground truth and writing executor strings, as the oracle's episodes do."""
+  entry = data.entry("multi_turn_base_0")
+  sources = [s for turn in entry.ground_truth for s in turn]
+  names = functools.partial(data.parameter_names, entry)
+
+  def work(_):
+    for _ in range(rounds):
+      for source in sources:
+        name, arguments = bfcl_calls.ground_truth_call(source, names)
+        assert bfcl_calls.call_source(name, arguments).startswith(name + "(")
+
+  # A collection at every allocation: parsing alone allocates and frees in balance.
+  with concurrent.futures.ThreadPoolExecutor(8) as pool, _thread_switch_stress(gc_threshold=1):
+    list(pool.map(work, range(8)))
+
+
+def test_ast_parsing_on_threads_holds_up_under_thread_switch_stress(data, monkeypatch):
+  _parse_on_threads(data, rounds=40)
+  # The control: without the lock, the same stress breaks CPython 3.11's parser (gh-106905);
+  # it did in 10 of 10 tries here (3.11.7).
+  monkeypatch.setattr(bfcl_calls, "AST_LOCK", contextlib.nullcontext())
+  try:
+    _parse_on_threads(data, rounds=40)
+  except SystemError as e:
+    assert "AST constructor recursion depth mismatch" in str(e)
+  else:
+    pytest.skip("this Python's ast.parse survived the stress without the lock (gh-106905 fixed?)")
+
+
+def test_every_ast_parse_of_an_episode_holds_the_lock(data, monkeypatch):
+  """Each AST the process builds while 100 entries (all splits) are played, by our code or the
+  official executor and checker, is built under `bfcl_calls.AST_LOCK`: one lock is enough."""
+  built = []
+  original = builtins.compile
+
+  def watching(source, filename, mode, flags=0, *args, **kwargs):
+    if flags & ast.PyCF_ONLY_AST:
+      built.append(bfcl_calls.AST_LOCK.locked())
+    return original(source, filename, mode, flags, *args, **kwargs)
+
+  monkeypatch.setattr(builtins, "compile", watching)
+  for entry_id in sorted(data.entries)[::8]:
+    score, _ = _play(data, entry_id, bfcl.oracle_replies(data, entry_id))
+    assert score.success, entry_id
+  monkeypatch.undo()
+  assert len(built) > 500 and all(built), (len(built), built.count(False))
+
+
+def test_threads_asking_for_the_data_at_once_share_one_load():
+  import bfcl_eval
+
+  data_dir = os.path.join(os.path.dirname(bfcl_eval.__file__), "data")  # a fresh cache key
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    loaded = list(pool.map(lambda _: bfcl.load_data(data_dir), range(8)))
+  assert len(loaded[0].entries) == 800 and all(d is loaded[0] for d in loaded)
+
+
+def _all_800_entries_spec():
+  config = bfcl.BfclConfig(
+    train_tasks="multi_turn_base:0-199,multi_turn_long_context:0-199",
+    eval_tasks="multi_turn_miss_func:0-199,multi_turn_miss_param:0-199",
+  )
+  spec = bfcl.spec(config)
+  task_ids = list(spec.task_ids("train")) + list(spec.task_ids("eval"))
+  assert len(set(task_ids)) == 800
+  return spec, task_ids
+
+
+@pytest.mark.slow
+def test_the_800_entry_oracle_passes_3_times_in_a_row_under_thread_switch_stress():
+  """The oracle's 800 episodes on 8 threads, 3 times, under `_thread_switch_stress`. Without the
+  `ast` lock every such run crashed, within the first 1.5 s (SystemError: AST constructor
+  recursion depth mismatch); with it, each run took 6-10 s on 2 busy cores."""
+  from seeupo_jax.training import oracle
+
+  spec, task_ids = _all_800_entries_spec()
+  for _ in range(3):
+    with _thread_switch_stress():
+      episodes = oracle.run_oracle(spec, task_ids, workers=8)
+    assert [e.task_id for e in episodes] == task_ids
+    failed = [(e.task_id, e.details) for e in episodes if not e.success]
+    assert not failed, failed[:3]
+  assert not _leftover_instances()
+
+
+# --- worker processes ---------------------------------------------------------------------------
+
+_PLAY_IN_A_FRESH_PROCESS = """
+import json, pickle, sys
+make = pickle.loads(sys.stdin.buffer.read())  # imports seeupo_jax.envs.bfcl by itself
+env = make()
+from seeupo_jax.envs import bfcl
+env.reset("multi_turn_base_0")
+for reply in bfcl.oracle_replies(env.data, "multi_turn_base_0"):
+  if env.step(reply).done:
+    break
+score = env.score()
+env.close()
+print(json.dumps({"reward": score.reward, "success": score.success}))
+"""
+
+
+def test_the_spec_factory_pickles_and_builds_a_working_env_in_a_fresh_process():
+  spec = bfcl.spec(bfcl.BfclConfig(train_tasks="multi_turn_base:0", eval_tasks="multi_turn_base:1"))
+  blob = pickle.dumps(spec.make)
+  assert len(blob) < 1000  # the config, not the data
+  env = pickle.loads(blob)()
+  assert isinstance(env, bfcl.BfclEnv) and env.config == bfcl.BfclConfig(
+    train_tasks="multi_turn_base:0", eval_tasks="multi_turn_base:1"
+  )
+  env.reset("multi_turn_base_0")
+  env.close()
+  proc = subprocess.run(
+    [sys.executable, "-c", _PLAY_IN_A_FRESH_PROCESS],
+    input=blob,
+    capture_output=True,
+    timeout=120,
+    env=dict(os.environ, PYTHONPATH=_ROOT),
+    cwd=_ROOT,
+  )
+  assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+  assert json.loads(proc.stdout) == {"reward": 1.5, "success": True}
 
 
 def test_user_turns_miss_func_step_limit_and_rewards(data):

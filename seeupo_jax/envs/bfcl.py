@@ -18,10 +18,12 @@ each answered by as many assistant replies as the agent needs.
     docs as JSON in the system prompt, as BFCL's own Qwen handler does).
   - A reply with `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
     blocks runs them (see `bfcl_calls`: parsed with `json`, checked against
-    the docs, written back as executor strings from the checked parts) and
-    answers with one `tool` message per call: the official executor's result.
-    A reply whose calls do not all check out runs none of them and answers
-    with the errors.
+    the docs and their types, written back as executor strings from the
+    checked parts) and answers with one `tool` message per call: the official
+    executor's result. A reply whose calls do not all check out runs none of
+    them and answers with the errors. Nothing derived from the model's text
+    raises out of `step`: an exception while reading a reply is an error
+    message and a garbled reply.
   - A reply without a tool call ends the user turn; the next user turn is the
     observation, and after the last one the episode is done.
   - miss_func entries withhold some functions' docs until the turn the data
@@ -36,11 +38,12 @@ each answered by as many assistant replies as the agent needs.
 The reward is the official checker's verdict on the episode's calls, once at
 the end: `success_reward` (1.5) when valid, `failure_reward` (0) when not, and
 `garbled_reward` (-1) for a failed episode in which some reply had a tool-call
-block that was not even JSON of the right shape (a checked but wrong call is
-a plain failure). An episode cut short (by the turn or context limit) has
-fewer user turns than the data, which the checker fails ("force
-terminated"). The checker's verdict (error type, message, a bounded excerpt of
-its details) is kept in the score details.
+block that could not be read as a call (not JSON of the right shape, nested
+too deep, or any exception while decoding or writing it; a readable call that
+breaks the docs is a plain failure). An episode cut short (by the turn or
+context limit) has fewer user turns than the data, which the checker fails
+("force terminated"). The checker's verdict (error type, message, a bounded
+excerpt of its details) is kept in the score details.
 
 Backend instances: the official module caches them in its globals under
 f"{model_name}_{entry_id}_{class}_instance". Each episode uses a model name of
@@ -55,6 +58,15 @@ Every backend call here runs under one lock with the episode's own contexts
 (starting from the libraries' defaults), saved again after the call; the
 checker's replay starts from the defaults too. Backend calls are pure Python,
 so the lock costs no parallelism the GIL would have allowed.
+
+Threads (the rollout drives episodes from a thread pool): what is shared is
+either read-only after loading (`BfclData`'s entries and docs), filled under a
+lock (`load_data`, the `tools=` cache), or used only under a lock: the official
+module's globals, the backends and the numeric contexts under `_BACKEND_LOCK`,
+every `ast` parse under `bfcl_calls.AST_LOCK` (CPython 3.11's `ast.parse` is
+not thread-safe, gh-106905). The official executor and checker never use
+`ast` (their `eval` of a string compiles without building Python AST objects),
+so the two locks need not be one, and they are never held together.
 """
 
 from __future__ import annotations
@@ -205,6 +217,7 @@ class BfclData:
     if not os.path.isdir(data_dir):
       raise base.EnvironmentUnavailable(f"no BFCL data directory at {data_dir!r}")
     self.data_dir = data_dir
+    self._lock = threading.Lock()  # for the caches below
     self._docs: dict[str, list] = {}
     self._tools: dict[tuple[str, bool], list] = {}
     self.entries: dict[str, Entry] = {}
@@ -223,10 +236,15 @@ class BfclData:
       importlib.import_module(module)
 
   def class_docs(self, class_name: str) -> list:
-    if class_name not in self._docs:
-      path = os.path.join(self.data_dir, "multi_turn_func_doc", self.doc_files[class_name])
-      self._docs[class_name] = _read_jsonl(path)
-    return self._docs[class_name]
+    """A class's function docs (read once; every documented type one that `bfcl_calls` checks)."""
+    with self._lock:
+      if class_name not in self._docs:
+        path = os.path.join(self.data_dir, "multi_turn_func_doc", self.doc_files[class_name])
+        docs = _read_jsonl(path)
+        for doc in docs:
+          bfcl_calls.check_doc(doc, path)
+        self._docs[class_name] = docs
+      return self._docs[class_name]
 
   def _entry(self, row: dict, ground_truth: list, split: str) -> Entry:
     docs = [d for c in row["involved_classes"] for d in self.class_docs(c)]
@@ -253,9 +271,10 @@ class BfclData:
   def tools(self, entry: Entry, describe: bool) -> list[dict]:
     """The `tools=` of an entry's prompt (built once, shared: read-only)."""
     key = (entry.entry_id, describe)
-    if key not in self._tools:
-      self._tools[key] = [_describe(d, describe) for d in entry.docs]
-    return self._tools[key]
+    with self._lock:
+      if key not in self._tools:
+        self._tools[key] = [_describe(d, describe) for d in entry.docs]
+      return self._tools[key]
 
   def parameter_names(self, entry: Entry, function: str) -> list[str]:
     """The backend method's parameters in signature order (for positional ground truth)."""
@@ -267,10 +286,18 @@ class BfclData:
     raise ValueError(f"{entry.entry_id}: no backend method {function!r}")
 
 
+_LOAD_LOCK = threading.Lock()
+
+
 @functools.lru_cache(maxsize=4)
-def load_data(data_dir: str = "") -> BfclData:
-  """The shared, read-only `BfclData` of a data directory (loaded on first use)."""
+def _load_data(data_dir: str) -> BfclData:
   return BfclData(data_dir)
+
+
+def load_data(data_dir: str = "") -> BfclData:
+  """The shared, read-only `BfclData` of a data directory (loaded once, on first use)."""
+  with _LOAD_LOCK:  # threads asking at once wait for the one load
+    return _load_data(data_dir)
 
 
 def _describe(doc: dict, describe: bool) -> dict:
@@ -361,9 +388,9 @@ class BfclEnv:
   def step(self, assistant_text: str) -> base.Step:
     if self.entry is None or self.finished:
       raise RuntimeError("step() before reset() or after the episode ended")
-    parsed = bfcl_calls.parse_tool_calls(assistant_text)
+    reply = bfcl_calls.read_reply(assistant_text, self.allowed)  # never raises
     info: dict[str, Any] = {"user_turn": self.user_turn}
-    if not parsed.has_tool_call:  # the user turn is over
+    if not reply.has_tool_call:  # the user turn is over
       self.user_turn += 1
       self.steps_in_turn = 0
       if self.user_turn == len(self.entry.questions):
@@ -372,19 +399,20 @@ class BfclEnv:
       self.turn_calls.append([])
       return base.Step(self._user_messages(self.user_turn), False, info)
 
-    sources, errors = bfcl_calls.calls_to_sources(parsed, self.allowed)
-    if sources is None:
+    if reply.sources is None:
       self.invalid_replies += 1
-      self.garbled = self.garbled or bool(parsed.errors)
-      info["errors"] = errors
+      self.garbled = self.garbled or reply.garbled
+      info["errors"] = reply.errors
+      if reply.garbled:
+        info["garbled"] = True
       observation = [
         {"role": "tool", "content": f"Error: {e}. None of the calls in this reply were run."}
-        for e in errors
+        for e in reply.errors
       ]
     else:
-      results = self._execute(sources)
-      self.turn_calls[-1].append(sources)
-      info["calls"] = sources
+      results = self._execute(reply.sources)
+      self.turn_calls[-1].append(reply.sources)
+      info["calls"] = reply.sources
       observation = [{"role": "tool", "content": r} for r in results]
     self.steps_in_turn += 1
     if self.steps_in_turn > self.step_limit:
@@ -494,6 +522,12 @@ def oracle_replies(data: BfclData, entry_id: str) -> list[str]:
   return replies
 
 
+def make_env(config: BfclConfig) -> BfclEnv:
+  """A fresh environment on the shared data of `config.data_dir` (loaded on first use in this
+  process). `functools.partial(make_env, config)` pickles, so worker processes can build one."""
+  return BfclEnv(load_data(config.data_dir), config)
+
+
 def spec(config: BfclConfig) -> base.EnvSpec:
   data = load_data(config.data_dir)
   train = parse_task_ranges(config.train_tasks, "train_tasks")
@@ -511,7 +545,7 @@ def spec(config: BfclConfig) -> base.EnvSpec:
     return list(splits[split])
 
   return base.EnvSpec(
-    make=lambda: BfclEnv(data, config),
+    make=functools.partial(make_env, config),
     task_ids=task_ids,
     max_turns=most_turns * (data.step_limit + 2),
     oracle=functools.partial(oracle_replies, data),
