@@ -9,12 +9,22 @@ For every selected entry, the oracle's replies (the ground-truth calls as
       backend instances);
   (b) bare: the same calls as BFCL's own strings, given straight to
       `execute_multi_turn_func_call` turn by turn, then `multi_turn_checker`,
-      then the same instance cleanup: what any BFCL-based environment pays.
+      then the same instance cleanup: what any BFCL-based environment pays;
+  (c) process: route (a) through the env workers in a worker process
+      (`ProcessWorkers`, one worker: the training default for BFCL), so (c) - (a)
+      is the price of isolation (a pickled request and answer per call, over a
+      socket pair).
 
-Routes alternate entry by entry (A B A B, `--repeats` rounds), one thread, so
-(a) / (b) is the price of our parsing, checking and bookkeeping. Reported:
-median and p99 milliseconds per episode of each route and their ratio, per
-split, and the share of entries the oracle finishes within `--max-turns`.
+Routes alternate entry by entry (A B C A B C, `--repeats` rounds), one thread,
+so (a) / (b) is the price of our parsing, checking and bookkeeping and (c) / (a)
+that of the worker process. Reported: median and p99 milliseconds per episode
+of each route and their ratios, per split, and the share of entries the oracle
+finishes within `--max-turns`.
+
+Throughput (`--throughput-workers`, 0 to skip): every entry of the first split
+played by 8 threads at once through thread workers (one process: the GIL runs
+one backend call at a time) and through that many worker processes; episodes
+per second of each and their ratio.
 
   .venv/bin/python benchmarks/bench_bfcl.py                      # all 800 entries, 3 rounds
   .venv/bin/python benchmarks/bench_bfcl.py --splits multi_turn_base --entries 20 --repeats 1
@@ -24,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 import uuid
@@ -31,6 +42,8 @@ import uuid
 import numpy as np
 
 from seeupo_jax.envs import bfcl
+from seeupo_jax.rollout import workers as workers_lib
+from seeupo_jax.training import oracle
 
 
 def play_ours(data: bfcl.BfclData, entry_id: str, replies: list[str]) -> tuple[float, bool]:
@@ -43,6 +56,39 @@ def play_ours(data: bfcl.BfclData, entry_id: str, replies: list[str]) -> tuple[f
   success = env.score().success
   env.close()
   return time.perf_counter() - t0, success
+
+
+def play_process(
+  workers: workers_lib.ProcessWorkers, entry_id: str, replies: list[str]
+) -> tuple[float, bool]:
+  t0 = time.perf_counter()
+  episode = oracle.play(workers, entry_id, replies)
+  return time.perf_counter() - t0, episode.success
+
+
+def throughput(data: bfcl.BfclData, ids: list[str], processes: int) -> dict:
+  """Episodes per second of every entry in `ids`, 8 at a time, on threads vs processes."""
+  spec = bfcl.spec(bfcl.BfclConfig())
+  out = {"threads": 8, "processes": processes, "episodes": len(ids)}
+  routes = {
+    "thread": lambda: workers_lib.ThreadWorkers(spec.make),
+    "process": lambda: workers_lib.ProcessWorkers(
+      spec.make, workers_lib.WorkerConfig(isolation="process", workers=processes)
+    ),
+  }
+  for name, make in routes.items():
+    env_workers = make()
+    try:
+      oracle.run_oracle(spec, ids[: 2 * processes], 8, env_workers)  # warm every worker
+      t0 = time.perf_counter()
+      episodes = oracle.run_oracle(spec, ids, 8, env_workers)
+      seconds = time.perf_counter() - t0
+    finally:
+      env_workers.shutdown()
+    assert all(e.success for e in episodes), name
+    out[f"{name}_episodes_per_s"] = len(ids) / seconds
+  out["process_over_thread"] = out["process_episodes_per_s"] / out["thread_episodes_per_s"]
+  return out
 
 
 def play_bare(data: bfcl.BfclData, entry_id: str) -> tuple[float, bool]:
@@ -74,47 +120,83 @@ def main(argv=None) -> dict:
   parser.add_argument("--entries", type=int, default=200, help="first N entries of each split")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--max-turns", type=int, default=10)
+  parser.add_argument(
+    "--throughput-workers", type=int, default=2, help="worker processes of the throughput run"
+  )
   args = parser.parse_args(argv)
   data = bfcl.load_data()
+  spec = bfcl.spec(bfcl.BfclConfig())
+  workers = workers_lib.ProcessWorkers(
+    spec.make, workers_lib.WorkerConfig(isolation="process", workers=1)
+  )
   rows = []
-  for split in args.splits.split(","):
-    ids = [f"{split}_{k}" for k in range(args.entries)]
-    replies = {i: bfcl.oracle_replies(data, i) for i in ids}
-    for i in ids[:5]:  # warm-up: first calls of each backend class
-      play_ours(data, i, replies[i])
-      play_bare(data, i)
-    ours, bare, solved = [], [], []
-    for _ in range(args.repeats):
-      for i in ids:
-        seconds, ok = play_ours(data, i, replies[i])
-        ours.append(seconds)
-        solved.append(ok)
-        seconds, ok = play_bare(data, i)
-        bare.append(seconds)
-        solved.append(ok)
-    ours_ms, bare_ms = np.asarray(ours) * 1e3, np.asarray(bare) * 1e3
-    rows.append(
-      {
-        "split": split,
-        "entries": len(ids),
-        "ours_ms_median": float(np.median(ours_ms)),
-        "ours_ms_p99": float(np.percentile(ours_ms, 99)),
-        "bare_ms_median": float(np.median(bare_ms)),
-        "bare_ms_p99": float(np.percentile(bare_ms, 99)),
-        "ratio_median": float(np.median(ours_ms) / np.median(bare_ms)),
-        "oracle_success": float(np.mean(solved)),
-        "oracle_turns_median": float(np.median([len(r) for r in replies.values()])),
-        "within_max_turns": float(np.mean([len(r) <= args.max_turns for r in replies.values()])),
-      }
-    )
-  print("| split | entries | ours median ms | ours p99 | bare median ms | bare p99 | ours/bare |")
-  print("|---|---:|---:|---:|---:|---:|---:|")
+  try:
+    for split in args.splits.split(","):
+      ids = [f"{split}_{k}" for k in range(args.entries)]
+      replies = {i: bfcl.oracle_replies(data, i) for i in ids}
+      for i in ids[:5]:  # warm-up: first calls of each backend class
+        play_ours(data, i, replies[i])
+        play_bare(data, i)
+        play_process(workers, i, replies[i])
+      ours, bare, process, solved = [], [], [], []
+      for _ in range(args.repeats):
+        for i in ids:
+          for times, (seconds, ok) in (
+            (ours, play_ours(data, i, replies[i])),
+            (bare, play_bare(data, i)),
+            (process, play_process(workers, i, replies[i])),
+          ):
+            times.append(seconds)
+            solved.append(ok)
+      ours_ms, bare_ms = np.asarray(ours) * 1e3, np.asarray(bare) * 1e3
+      process_ms = np.asarray(process) * 1e3
+      rows.append(
+        {
+          "split": split,
+          "entries": len(ids),
+          "ours_ms_median": float(np.median(ours_ms)),
+          "ours_ms_p99": float(np.percentile(ours_ms, 99)),
+          "bare_ms_median": float(np.median(bare_ms)),
+          "bare_ms_p99": float(np.percentile(bare_ms, 99)),
+          "process_ms_median": float(np.median(process_ms)),
+          "process_ms_p99": float(np.percentile(process_ms, 99)),
+          "ratio_median": float(np.median(ours_ms) / np.median(bare_ms)),
+          "process_over_ours": float(np.median(process_ms) / np.median(ours_ms)),
+          "oracle_success": float(np.mean(solved)),
+          "oracle_turns_median": float(np.median([len(r) for r in replies.values()])),
+          "within_max_turns": float(np.mean([len(r) <= args.max_turns for r in replies.values()])),
+        }
+      )
+  finally:
+    workers.shutdown()
+  print(
+    "| split | entries | ours median ms | ours p99 | bare median ms | bare p99 | ours/bare "
+    "| process median ms | process p99 | process/ours |"
+  )
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   for r in rows:
     print(
       f"| {r['split']} | {r['entries']} | {r['ours_ms_median']:.2f} | {r['ours_ms_p99']:.2f} | "
-      f"{r['bare_ms_median']:.2f} | {r['bare_ms_p99']:.2f} | {r['ratio_median']:.2f}x |"
+      f"{r['bare_ms_median']:.2f} | {r['bare_ms_p99']:.2f} | {r['ratio_median']:.2f}x | "
+      f"{r['process_ms_median']:.2f} | {r['process_ms_p99']:.2f} | "
+      f"{r['process_over_ours']:.2f}x |"
     )
-  result = {"machine": platform.processor() or platform.machine(), "args": vars(args), "rows": rows}
+  result = {
+    "machine": platform.processor() or platform.machine(),
+    "cpus": os.cpu_count(),
+    "args": vars(args),
+    "rows": rows,
+  }
+  if args.throughput_workers > 0:
+    first = args.splits.split(",")[0]
+    ids = [f"{first}_{k}" for k in range(args.entries)]
+    result["throughput"] = throughput(data, ids, args.throughput_workers)
+    t = result["throughput"]
+    print(
+      f"throughput, {t['episodes']} episodes of {first}, 8 threads: thread workers "
+      f"{t['thread_episodes_per_s']:.0f}/s, {t['processes']} worker processes "
+      f"{t['process_episodes_per_s']:.0f}/s ({t['process_over_thread']:.2f}x)"
+    )
   print(json.dumps(result, indent=1))
   return result
 

@@ -12,11 +12,18 @@ r"""Runs one experiment: a config from the registry, overrides, a workdir.
 `--workdir` defaults to `runs/NAME`. Rerunning a command with the same
 workdir resumes from its last checkpoint. The config's `program` selects
 what runs, from the fixed table `PROGRAMS`. This file only dispatches.
+
+Expected failures end the run with one line on stderr, `error: ...`, and a
+non-zero status, never a traceback: a bad config or an environment that cannot
+run here (status 2); environments failing mid-run, a server pool gone, an
+oracle that fails (status 1; their traceback goes to `<workdir>/error.log`,
+which the line names). An unexpected exception (a bug) shows its traceback.
 """
 
 import functools
 import os
 import sys
+import traceback
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -97,6 +104,7 @@ def _main(argv: list[str], name: str) -> None:
   if config.program not in PROGRAMS:
     raise app.UsageError(f"config.program={config.program!r}; allowed: {sorted(PROGRAMS)}")
   from seeupo_jax import envs  # pylint: disable=g-import-not-at-top
+  from seeupo_jax import rollout  # pylint: disable=g-import-not-at-top
   from seeupo_jax.training import oracle  # pylint: disable=g-import-not-at-top
   from seeupo_jax.training import trainer  # pylint: disable=g-import-not-at-top
 
@@ -108,9 +116,27 @@ def _main(argv: list[str], name: str) -> None:
   except trainer.ConfigError as e:
     print(f"error: bad config for --config={name}: {e}", file=sys.stderr)
     sys.exit(2)
-  except oracle.OracleFailure as e:
-    print(f"error: --config={name}: {e}", file=sys.stderr)
+  except (rollout.EnvironmentFailure, rollout.EnvCallFailed, oracle.OracleFailure) as e:
+    log = write_error_log(workdir)
+    print(f"error: --config={name}: {one_line(e)} (traceback in {log})", file=sys.stderr)
     sys.exit(1)
+
+
+def one_line(error: BaseException) -> str:
+  """The error's message on one line."""
+  return " ".join(str(error).split()) or type(error).__name__
+
+
+def write_error_log(workdir: str) -> str:
+  """Appends the exception being handled, with its traceback, to <workdir>/error.log."""
+  path = os.path.join(workdir, "error.log")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+      f.write(traceback.format_exc() + "\n")
+  except OSError as e:  # an unwritable workdir: say where the traceback is not
+    return f"nowhere: {path} is not writable ({e.strerror})"
+  return path
 
 
 def run(argv: list[str]) -> None:

@@ -213,13 +213,22 @@ def test_bench_bfcl_times_our_environment_against_the_bare_official_path():
     "1",
     "--max-turns",
     "6",
+    "--throughput-workers",
+    "2",
   )
   rows = result["rows"]
   assert [r["split"] for r in rows] == ["multi_turn_base", "multi_turn_miss_func"]
   for r in rows:
-    assert r["entries"] == 8 and r["oracle_success"] == 1.0  # both routes solve every entry
+    assert r["entries"] == 8 and r["oracle_success"] == 1.0  # all three routes solve every entry
     assert r["ratio_median"] == pytest.approx(r["ours_ms_median"] / r["bare_ms_median"])
+    assert r["process_over_ours"] == pytest.approx(r["process_ms_median"] / r["ours_ms_median"])
     assert 0 < r["ours_ms_median"] <= r["ours_ms_p99"]
+    assert 0 < r["process_ms_median"] <= r["process_ms_p99"]
+  t = result["throughput"]
+  assert (t["episodes"], t["processes"], t["threads"]) == (8, 2, 8)
+  assert t["process_over_thread"] == pytest.approx(
+    t["process_episodes_per_s"] / t["thread_episodes_per_s"]
+  )
   # The oracle needs 2 replies per user turn with calls (the calls, then one to end the turn)
   # and 1 per turn without: entries 0-7 of base need 8, 8, 10, 4, 6, 8, 10, 6.
   from seeupo_jax.envs import bfcl

@@ -841,6 +841,7 @@ TINY = (
   "--config.env.eval_tasks=multi_turn_base:9",
   "--config.rollout.tasks_per_iteration=2",
   "--config.rollout.samples_per_task=2",
+  "--config.rollout.env_workers=2",  # worker processes (BFCL's default isolation)
   "--config.rollout.max_turns=3",
   "--config.rollout.max_context_tokens=2048",
   "--config.rollout.max_reply_tokens=16",

@@ -176,6 +176,11 @@ def test_outputs_of_a_short_run(tmp_path):
     ("--config.model.preset=qwen9", "allowed: ["),
     ("--config.env.num_dails=3", "known keys of 'env'"),
     ("--config.rollout.max_turns=0", "RolloutConfig.max_turns must be an int >= 1"),
+    (
+      "--config.rollout.env_isolation=fork",
+      "RolloutConfig.env_isolation='fork'; allowed: ['auto', 'thread', 'process']",
+    ),
+    ("--config.rollout.env_call_timeout_s=0", "call_timeout_s must be a number > 0"),
   ],
 )
 def test_bad_config_names_the_key_and_allowed_values(tmp_path, flag, message):

@@ -56,7 +56,10 @@ def training_config() -> ml_collections.ConfigDict:
     max_context_tokens=160,
     max_reply_tokens=1,  # the synthetic task reads the first character; raise for real agents
     max_env_tokens=64,
-    env_workers=4,
+    env_workers=4,  # environment calls in flight (threads; worker processes with "process")
+    env_isolation="auto",  # "thread", "process" (time limits), "auto": the environment's choice
+    env_call_timeout_s=10.0,  # per call in worker processes; a reply's call past it -> an error
+    env_memory_limit_mb=4096,  # each worker process's address-space limit (0: none)
     reset_retries=2,  # a failing reset, tried again on a fresh instance
     episode_retries=1,  # an episode whose environment failed, played again from the start
     max_failed_group_fraction=0.25,  # above this share of failed groups the run stops

@@ -93,6 +93,11 @@ class EnvSpec:
   capacity: () -> how many episodes can run at once now (e.g. the healthy servers of a pool,
     each holding one episode from reset to close), or None when unlimited. The rollout loop
     plays a call's episodes in waves of at most this many.
+  isolation: where the rollout runs this family's environments unless `rollout.env_isolation`
+    says otherwise (`seeupo_jax/rollout/workers.py`): "thread" (this process) or "process"
+    (worker processes with time limits: for in-process backends that a model's arguments can
+    hang, such as BFCL's). With "process", `make` must be picklable (a module-level function
+    or a `functools.partial` of one) and each call's result too.
   """
 
   make: Callable[[], Environment]
@@ -100,6 +105,7 @@ class EnvSpec:
   max_turns: int
   oracle: Optional[Callable[[str], list[str]]] = None
   capacity: Optional[Callable[[], int]] = None
+  isolation: str = "thread"
 
 
 class EnvironmentUnavailable(RuntimeError):

@@ -549,4 +549,5 @@ def spec(config: BfclConfig) -> base.EnvSpec:
     task_ids=task_ids,
     max_turns=most_turns * (data.step_limit + 2),
     oracle=functools.partial(oracle_replies, data),
+    isolation="process",  # a model's arguments can hang a backend call (power, square_root)
   )

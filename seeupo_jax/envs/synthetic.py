@@ -34,6 +34,7 @@ draws (held-out instances of the same distribution).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import numpy as np
@@ -193,5 +194,5 @@ def spec(config: SyntheticConfig) -> base.EnvSpec:
     return [f"{split}/{i}" for i in range(count)]
 
   return base.EnvSpec(
-    make=lambda: SyntheticEnv(config), task_ids=task_ids, max_turns=config.num_dials
+    make=functools.partial(SyntheticEnv, config), task_ids=task_ids, max_turns=config.num_dials
   )

@@ -6,6 +6,8 @@
 
 Modules, one role each:
   trajectory.py  the `Trajectory` record and `collate` (pure NumPy);
+  workers.py     the env workers: every environment call, with time limits, in threads or
+                 worker processes;
   roller.py      the loop: sampler turns, environment steps, limits, retries and group drops.
 """
 
@@ -19,15 +21,25 @@ from seeupo_jax.rollout.roller import (
   truncate_observation,
 )
 from seeupo_jax.rollout.trajectory import Trajectory, collate
+from seeupo_jax.rollout.workers import (
+  EnvCallFailed,
+  EnvWorkers,
+  WorkerConfig,
+  make_workers,
+)
 
 __all__ = [
   "FINISH_REASONS",
   "TRUNCATION_MARKER",
+  "EnvCallFailed",
+  "EnvWorkers",
   "EnvironmentFailure",
   "Roller",
   "RolloutConfig",
   "RolloutResult",
   "Trajectory",
+  "WorkerConfig",
   "collate",
+  "make_workers",
   "truncate_observation",
 ]

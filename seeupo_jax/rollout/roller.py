@@ -33,8 +33,16 @@ Capacity: an environment family that can hold only so many episodes at once
 (`EnvSpec.capacity`, e.g. one AppWorld server per episode) gets them in waves,
 each a sampler pass of its own.
 
-Environment failures: an exception in `reset`, `step` or `score` fails that
-trajectory; `reset` is retried on a fresh instance first (`reset_retries`).
+Environment calls go through the env workers (`workers.py`): in this process
+("thread") or in worker processes with a time limit per call ("process"; BFCL's
+default). A reply whose call runs past `env_call_timeout_s` (or out of memory) is
+the model's doing: it gets an error observation and the episode goes on
+(counted: `rollout/env_stopped_calls`).
+
+Environment failures: the environment's own faults (`workers.EnvCallFailed`: an
+exception in `reset`, `step` or `score`, a worker that died during a call, a
+`reset`/`score` past its limit) fail that trajectory; `reset` is retried on a
+fresh instance first (`reset_retries`).
 A failed episode is then played again from the start on a fresh environment
 instance (`episode_retries` times; the retries run as one more sampler pass
 after the others finish, with the same policy, so they are fair samples of
@@ -51,8 +59,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-import traceback
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from absl import logging
 import jax
@@ -64,6 +71,7 @@ from seeupo_jax.chat_tokens import ChatTokens
 from seeupo_jax.envs import base as envs_base
 from seeupo_jax.learner.batch import PROMPT_OR_ENV
 from seeupo_jax.models.config import ModelConfig
+from seeupo_jax.rollout import workers as workers_lib
 from seeupo_jax.rollout.trajectory import Trajectory
 from seeupo_jax.rollout.trajectory import bucket as _bucket
 
@@ -82,7 +90,13 @@ class RolloutConfig:
   max_turns: most assistant turns per trajectory (the learner's num_turns).
   max_context_tokens: most tokens in a trajectory (prompt + replies + observations).
   max_env_tokens: most tokens of one turn's observation text (cut with a marker).
-  env_workers: threads running environment calls.
+  env_workers: environment calls in flight at once: threads, and with "process" isolation as
+    many worker processes.
+  env_isolation: "auto" (the environment's own choice, `EnvSpec.isolation`), "thread" or
+    "process" (see `workers.py`).
+  env_call_timeout_s: the time limit of each environment call in worker processes (a reply's
+    `step` past it is answered with an error observation; `score` gets this x (1 + replies)).
+  env_memory_limit_mb: the address-space limit of each worker process (0: none).
   reset_retries: extra attempts of a failing `reset`, each on a fresh instance.
   episode_retries: extra attempts of an episode whose environment failed (in reset, step or
     score), each played from the start on a fresh instance.
@@ -101,6 +115,9 @@ class RolloutConfig:
   max_context_tokens: int = 2048
   max_env_tokens: int = 512
   env_workers: int = 16
+  env_isolation: str = "auto"
+  env_call_timeout_s: float = 10.0
+  env_memory_limit_mb: int = 4096
   reset_retries: int = 2
   episode_retries: int = 1
   max_failed_group_fraction: float = 0.25
@@ -121,11 +138,30 @@ class RolloutConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"RolloutConfig.{name} must be an int >= 1, got {value!r}")
+    if self.env_isolation not in ("auto",) + workers_lib.ISOLATIONS:
+      raise ValueError(
+        f"RolloutConfig.env_isolation={self.env_isolation!r}; allowed: "
+        f"{['auto', *workers_lib.ISOLATIONS]}"
+      )
+    self.worker_config("thread")  # validates the time and memory limits
     if not 0.0 <= self.max_failed_group_fraction <= 1.0:
       raise ValueError(
         "RolloutConfig.max_failed_group_fraction must be in [0, 1], got "
         f"{self.max_failed_group_fraction!r}"
       )
+
+  def worker_config(self, default_isolation: str) -> workers_lib.WorkerConfig:
+    """The env workers' config; "auto" isolation becomes `default_isolation` (the spec's)."""
+    isolation = default_isolation if self.env_isolation == "auto" else self.env_isolation
+    try:
+      return workers_lib.WorkerConfig(
+        isolation=isolation,
+        workers=self.env_workers,
+        call_timeout_s=self.env_call_timeout_s,
+        memory_limit_mb=self.env_memory_limit_mb,
+      )
+    except ValueError as e:
+      raise ValueError(f"RolloutConfig: {e}") from None
 
 
 @dataclasses.dataclass
@@ -139,7 +175,7 @@ class _Slot:
   """Host-side state of one running trajectory."""
 
   trajectory: Trajectory
-  env: Any = None
+  episode: Optional[workers_lib.Episode] = None  # its environment, in the env workers
   tools: Optional[list] = None
   new_ids: list[int] = dataclasses.field(default_factory=list)  # tokens to prefill next
   running: bool = True
@@ -193,6 +229,12 @@ class Roller:
       its stop tokens should include the chat template's end of turn.
     config: the `RolloutConfig`.
     cache_sharding: optional KVCache -> shardings (see `sampling.make_sampler`).
+    workers: the env workers to use (shared, e.g. by training and evaluation; the caller shuts
+      them down); None: the Roller makes its own from `config` and `close` shuts them down.
+    text_policy: replies from a function instead of the model: trajectory so far -> the reply
+      text (scripted tests, the oracle); `run`'s params are then unused and the replies'
+      log-probs 0. The replies are tokenized (no model sampled them) and closed with the
+      end-of-turn token.
   """
 
   def __init__(
@@ -204,6 +246,8 @@ class Roller:
     config: RolloutConfig,
     *,
     cache_sharding=None,
+    workers: Optional[workers_lib.EnvWorkers] = None,
+    text_policy: Optional[Callable[[Trajectory], str]] = None,
   ):
     if config.max_turns > spec.max_turns:
       logging.info(
@@ -231,12 +275,19 @@ class Roller:
       config.cache_bucket,
     )
     self.cache_slots = 0  # the KV cache's slots at the end of the last `run` (grown as needed)
+    self.text_policy = text_policy
+    self._owns_workers = workers is None
+    if workers is None:
+      workers = workers_lib.make_workers(spec, config.worker_config(spec.isolation))
+    self.workers = workers
     self._pool = concurrent.futures.ThreadPoolExecutor(
       max_workers=config.env_workers, thread_name_prefix="env"
     )
 
   def close(self) -> None:
     self._pool.shutdown(wait=True)
+    if self._owns_workers:
+      self.workers.shutdown()
 
   # --- environment calls (worker threads) -----------------------------------------------------
 
@@ -245,8 +296,10 @@ class Roller:
 
     The jobs go out in `env_workers` chunks (one future per chunk, not per job:
     hundreds of tiny futures cost more than cheap environments do), and each
-    chunk's results come back as soon as it finishes. `error` is the message of
-    an `_EnvCallFailed` (the environment's fault); anything else is a bug and raises.
+    chunk's results come back as soon as it finishes. With worker processes, a
+    chunk holds the jobs of one worker (whose calls run one at a time anyway).
+    `error` is the message of an `EnvCallFailed` (the environment's fault);
+    anything else is a bug and raises.
     """
 
     def run_chunk(chunk):
@@ -254,37 +307,39 @@ class Roller:
       for slot, args in chunk:
         try:
           out.append((slot, fn(*args), None))
-        except _EnvCallFailed as e:
+        except workers_lib.EnvCallFailed as e:
           out.append((slot, None, str(e)))
       return out
 
-    size = -(-len(jobs) // self.config.env_workers) if jobs else 1
-    chunks = [jobs[k : k + size] for k in range(0, len(jobs), size)]
+    by_worker: dict[int, list] = {}
+    for job in jobs:
+      episode = job[0].episode
+      worker = None if episode is None else self.workers.affinity(episode)
+      by_worker.setdefault(-1 if worker is None else worker, []).append(job)
+    unplaced = by_worker.pop(-1, [])
+    size = -(-len(unplaced) // self.config.env_workers) if unplaced else 1
+    chunks = [unplaced[k : k + size] for k in range(0, len(unplaced), size)]
+    chunks += list(by_worker.values())
     futures = [self._pool.submit(run_chunk, chunk) for chunk in chunks]
     for future in concurrent.futures.as_completed(futures):
       yield from future.result()
 
   def _reset(self, task_id: str):
-    """A fresh environment, its prompt ids and tools; retried on fresh instances."""
-    last_error = None
-    for _ in range(self.config.reset_retries + 1):
-      env = None
+    """A fresh episode, its prompt ids and tools; retried on fresh instances."""
+    for attempt in range(self.config.reset_retries + 1):
       try:
-        env = self.spec.make()
-        reset = env.reset(task_id)
-        return env, reset.tools, self.chat.prompt_ids(reset.messages, reset.tools)
-      except Exception:  # pylint: disable=broad-except
-        last_error = traceback.format_exc(limit=4)
-        if env is not None:
-          _close_quietly(env)
-    raise _EnvCallFailed(f"reset({task_id!r}) failed: {last_error}")
+        episode, reset = self.workers.reset(task_id)
+        break
+      except workers_lib.EnvCallFailed:
+        if attempt == self.config.reset_retries:
+          raise
+    return episode, reset.tools, self.chat.prompt_ids(reset.messages, reset.tools)
 
   def _step(self, slot: _Slot, text: str, reply_closed: bool, last_turn: bool):
-    """env.step + the observation's ids (cut to max_env_tokens); runs in a worker thread."""
-    try:
-      step = slot.env.step(text)
-    except Exception:  # pylint: disable=broad-except
-      raise _EnvCallFailed(f"step failed: {traceback.format_exc(limit=4)}") from None
+    """env.step + the observation's ids (cut to max_env_tokens); runs in a pool thread."""
+    step = self.workers.step(slot.episode, text)
+    if step.info.get("stopped"):
+      slot.trajectory.env_stopped_calls += 1
     if step.done or last_turn:
       return step, [], 0
     observation, cut = truncate_observation(
@@ -294,10 +349,7 @@ class Roller:
     return step, ids, cut
 
   def _score(self, slot: _Slot):
-    try:
-      return slot.env.score()
-    except Exception:  # pylint: disable=broad-except
-      raise _EnvCallFailed(f"score failed: {traceback.format_exc(limit=4)}") from None
+    return self.workers.score(slot.episode)
 
   # --- the loop ---------------------------------------------------------------------------------
 
@@ -314,6 +366,7 @@ class Roller:
     """
     t_start = time.perf_counter()
     timers = {"sample": 0.0, "env_wait": 0.0, "host": 0.0}
+    stats_before = dataclasses.replace(self.workers.stats)
     slots = [
       _Slot(Trajectory(task_id, group, sample))
       for group, task_id in enumerate(task_ids)
@@ -350,7 +403,7 @@ class Roller:
       errors = list(first.values())[:3]
       raise EnvironmentFailure(
         f"{len(failed_groups)} of {num_groups} task groups failed in one rollout (limit "
-        f"{self.config.max_failed_group_fraction:.0%}); first errors:\n" + "\n".join(errors)
+        f"{self.config.max_failed_group_fraction:.0%}); first errors: " + "; ".join(errors)
       )
     for t in trajectories:
       if t.error:
@@ -361,6 +414,10 @@ class Roller:
     metrics["rollout/passes"] = float(passes)  # sampler passes: the waves, then the retries' waves
     self.cache_slots = 0 if context is None else context.capacity
     metrics["rollout/cache_slots"] = float(self.cache_slots)
+    stats = self.workers.stats
+    metrics["rollout/env_stopped_calls"] = float(sum(t.env_stopped_calls for t in trajectories))
+    metrics["rollout/env_worker_restarts"] = float(stats.restarts - stats_before.restarts)
+    metrics["rollout/env_restores"] = float(stats.restores - stats_before.restores)
     return RolloutResult(trajectories=trajectories, metrics=metrics)
 
   def _waves(self, pending: list[int]) -> list[list[int]]:
@@ -382,7 +439,7 @@ class Roller:
       if error is not None:
         _fail(slot, error)
         continue
-      slot.env, slot.tools, slot.new_ids = result
+      slot.episode, slot.tools, slot.new_ids = result
       if len(slot.new_ids) + 1 > self.config.max_context_tokens:
         _fail(
           slot,
@@ -405,54 +462,23 @@ class Roller:
       running = [i for i, s in enumerate(slots) if s.running]
       if not running:
         break
-      context, context_rows = self._arrange(context, context_rows, running)
-      rows = len(context_rows)
-      width = _bucket(max(len(slots[i].new_ids) for i in running), self.config.token_bucket)
-      new_ids = np.zeros((rows, width), np.int32)
-      new_valid = np.zeros((rows, width), bool)
-      limits = np.zeros((rows,), np.int32)
-      is_running = np.zeros((rows,), bool)
-      for r, i in enumerate(context_rows):
-        if i < 0 or not slots[i].running:  # a filler row, or a finished trajectory
-          continue
-        slot = slots[i]
-        ids = slot.new_ids
-        new_ids[r, width - len(ids) :] = ids  # left padding
-        new_valid[r, width - len(ids) :] = True
-        slot.trajectory.append(ids, PROMPT_OR_ENV)
-        slot.new_ids = []
-        room = self.config.max_context_tokens - len(slot.trajectory.tokens)
-        limits[r] = min(self.sampling_config.max_new_tokens, room)
-        is_running[r] = True
-      context = self._make_room(context, width)
       timers["host"] += time.perf_counter() - t_host
-
-      t_sample = time.perf_counter()
-      rng, turn_key = jax.random.split(rng)
-      output, context = self.continue_sample(
-        params,
-        context,
-        jnp.asarray(new_ids),
-        jnp.asarray(new_valid),
-        turn_key,
-        max_new_tokens=jnp.asarray(limits),
-      )
-      out = jax.device_get(output)
-      timers["sample"] += time.perf_counter() - t_sample
+      if self.text_policy is None:
+        rng, turn_key = jax.random.split(rng)
+        context, context_rows, replies = self._sample_replies(
+          slots, running, context, context_rows, params, turn_key, timers
+        )
+      else:
+        replies = self._text_replies(slots, running)
 
       t_host = time.perf_counter()
       jobs = []
-      for r, i in enumerate(context_rows):
-        if not is_running[r]:
-          continue
+      for i, reply, logprobs, cut in replies:
         slot, trajectory = slots[i], slots[i].trajectory
-        n = int(out.lengths[r])
-        reply = out.tokens[r, :n].tolist()
-        trajectory.append(reply, turn, out.logprobs[r, :n].tolist())
+        trajectory.append(reply, turn, logprobs)
         trajectory.num_turns = turn + 1
-        closed = n > 0 and reply[-1] == eot
-        if out.finish_reason[r] == int(sampling.FinishReason.LENGTH):
-          trajectory.truncated_replies += 1
+        closed = bool(reply) and reply[-1] == eot
+        trajectory.truncated_replies += int(cut)
         text = self.chat.tokenizer.decode(reply, skip_special_tokens=True)
         trajectory.replies.append(text)
         last = turn + 1 == self.config.max_turns
@@ -478,7 +504,7 @@ class Roller:
 
     # Score every episode that did not fail.
     t_wait = time.perf_counter()
-    jobs = [(s, (s,)) for s in slots if s.env is not None and s.trajectory.error is None]
+    jobs = [(s, (s,)) for s in slots if s.episode is not None and s.trajectory.error is None]
     for slot, score, error in self._map(self._score, jobs):
       if error is not None:
         _fail(slot, error)
@@ -488,12 +514,73 @@ class Roller:
       slot.trajectory.score_details = dict(score.details)
     timers["env_wait"] += time.perf_counter() - t_wait
     for slot in slots:
-      if slot.env is not None:
-        _close_quietly(slot.env)
-        slot.env = None
+      if slot.episode is not None:
+        self.workers.close(slot.episode)
+        slot.episode = None
       if slot.running:  # never happens: the turn loop ends every trajectory
         slot.trajectory.finish_reason = slot.trajectory.finish_reason or "max_turns"
     return context
+
+  def _sample_replies(self, slots, running, context, context_rows, params, key, timers):
+    """One sampler call for the running slots: their new tokens prefilled, a reply decoded.
+
+    Returns (context, context_rows, [(slot index, reply ids, their log-probs, cut)]).
+    """
+    t_host = time.perf_counter()
+    context, context_rows = self._arrange(context, context_rows, running)
+    rows = len(context_rows)
+    width = _bucket(max(len(slots[i].new_ids) for i in running), self.config.token_bucket)
+    new_ids = np.zeros((rows, width), np.int32)
+    new_valid = np.zeros((rows, width), bool)
+    limits = np.zeros((rows,), np.int32)
+    is_running = np.zeros((rows,), bool)
+    for r, i in enumerate(context_rows):
+      if i < 0 or not slots[i].running:  # a filler row, or a finished trajectory
+        continue
+      slot = slots[i]
+      ids = slot.new_ids
+      new_ids[r, width - len(ids) :] = ids  # left padding
+      new_valid[r, width - len(ids) :] = True
+      slot.trajectory.append(ids, PROMPT_OR_ENV)
+      slot.new_ids = []
+      room = self.config.max_context_tokens - len(slot.trajectory.tokens)
+      limits[r] = min(self.sampling_config.max_new_tokens, room)
+      is_running[r] = True
+    context = self._make_room(context, width)
+    timers["host"] += time.perf_counter() - t_host
+
+    t_sample = time.perf_counter()
+    output, context = self.continue_sample(
+      params,
+      context,
+      jnp.asarray(new_ids),
+      jnp.asarray(new_valid),
+      key,
+      max_new_tokens=jnp.asarray(limits),
+    )
+    out = jax.device_get(output)
+    timers["sample"] += time.perf_counter() - t_sample
+    replies = []
+    for r, i in enumerate(context_rows):
+      if is_running[r]:
+        n = int(out.lengths[r])
+        cut = out.finish_reason[r] == int(sampling.FinishReason.LENGTH)
+        replies.append((i, out.tokens[r, :n].tolist(), out.logprobs[r, :n].tolist(), cut))
+    return context, context_rows, replies
+
+  def _text_replies(self, slots, running):
+    """The text policy's reply for each running slot, as ids closed by the end of turn (cut,
+    without it, to the reply and context limits); log-probs 0 (no model sampled them)."""
+    replies = []
+    for i in running:
+      trajectory = slots[i].trajectory
+      trajectory.append(slots[i].new_ids, PROMPT_OR_ENV)
+      slots[i].new_ids = []
+      ids = self.chat.encode(self.text_policy(trajectory)) + [self.chat.end_of_turn_id]
+      room = self.config.max_context_tokens - len(trajectory.tokens)
+      limit = min(self.sampling_config.max_new_tokens, room)
+      replies.append((i, ids[:limit], None, len(ids) > limit))
+    return replies
 
   def _make_room(self, context, width: int):
     """Compacts, then grows, the cache until the next call fits (see `cache_bucket`)."""
@@ -526,21 +613,10 @@ class Roller:
     return context, rows
 
 
-class _EnvCallFailed(Exception):
-  pass
-
-
 def _fail(slot: _Slot, error: str) -> None:
   slot.running = False
   slot.trajectory.error = error
   slot.trajectory.finish_reason = "env_error"
-
-
-def _close_quietly(env) -> None:
-  try:
-    env.close()
-  except Exception:  # pylint: disable=broad-except
-    logging.warning("environment close() failed: %s", traceback.format_exc(limit=2))
 
 
 def _drop_failed_groups(trajectories: Sequence[Trajectory]) -> set[int]:

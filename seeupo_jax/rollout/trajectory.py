@@ -43,6 +43,7 @@ class Trajectory:
   score_details: dict = dataclasses.field(default_factory=dict)
   truncated_replies: int = 0
   truncated_env_tokens: int = 0
+  env_stopped_calls: int = 0  # replies whose call was stopped (time or memory limit)
   error: Optional[str] = None
   dropped: bool = False  # its group had a failure: not trained on
   retried_errors: list[str] = dataclasses.field(default_factory=list)  # earlier failed attempts
@@ -69,6 +70,7 @@ class Trajectory:
       "score_details": self.score_details,
       "truncated_replies": self.truncated_replies,
       "truncated_env_tokens": self.truncated_env_tokens,
+      "env_stopped_calls": self.env_stopped_calls,
       "error": self.error,
       "dropped": self.dropped,
       "retried_errors": self.retried_errors,

@@ -2,8 +2,9 @@
 
 Checks an install end to end (data, backends, executor, checker, reward) and
 measures the environment alone: each task's episode is driven with the
-oracle's scripted replies through the same `reset`/`step`/`score`/`close`
-calls the rollout loop makes, on a thread pool of `rollout.env_workers`.
+oracle's scripted replies through the same env workers and `reset`/`step`/
+`score`/`close` calls as the rollout loop (threads or worker processes, as
+`rollout.env_isolation` says), `rollout.env_workers` episodes at a time.
 
 Reports, per split: the oracle's success rate (1.0 on a sound install), its
 mean reward, the assistant turns it needs, the share of tasks it can finish
@@ -18,11 +19,12 @@ import dataclasses
 import json
 import os
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from seeupo_jax.envs import base
+from seeupo_jax.rollout import workers as workers_lib
 
 
 class OracleFailure(RuntimeError):
@@ -39,31 +41,43 @@ class OracleEpisode:
   details: dict
 
 
-def play(env: base.Environment, task_id: str, replies: Sequence[str]) -> OracleEpisode:
+def play(
+  env_workers: workers_lib.EnvWorkers, task_id: str, replies: Sequence[str]
+) -> OracleEpisode:
   """One episode of `replies` (stops when the environment says done)."""
   t0 = time.perf_counter()
   turns = 0
+  episode, _ = env_workers.reset(task_id)
   try:
-    env.reset(task_id)
     for reply in replies:
       turns += 1
-      if env.step(reply).done:
+      if env_workers.step(episode, reply).done:
         break
-    score = env.score()
+    score = env_workers.score(episode)
   finally:
-    env.close()
+    env_workers.close(episode)
   seconds = time.perf_counter() - t0
   return OracleEpisode(task_id, score.success, score.reward, turns, seconds, score.details)
 
 
-def run_oracle(spec: base.EnvSpec, task_ids: Sequence[str], workers: int) -> list[OracleEpisode]:
-  """The oracle's episodes of `task_ids`, in order (environments on `workers` threads)."""
+def run_oracle(
+  spec: base.EnvSpec,
+  task_ids: Sequence[str],
+  workers: int,
+  env_workers: Optional[workers_lib.EnvWorkers] = None,
+) -> list[OracleEpisode]:
+  """The oracle's episodes of `task_ids`, in order, `workers` at a time.
+
+  env_workers: where the environments run; None: in this process (`ThreadWorkers`).
+  """
   if spec.oracle is None:
     raise ValueError("this environment has no oracle policy")
   oracle: Callable[[str], list[str]] = spec.oracle
+  if env_workers is None:
+    env_workers = workers_lib.ThreadWorkers(spec.make)
 
   def one(task_id: str) -> OracleEpisode:
-    return play(spec.make(), task_id, oracle(task_id))
+    return play(env_workers, task_id, oracle(task_id))
 
   with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
     return list(pool.map(one, task_ids))
@@ -84,11 +98,17 @@ def summarize(episodes: Sequence[OracleEpisode], max_turns: int) -> dict[str, fl
   }
 
 
-def check(spec: base.EnvSpec, max_turns: int, workers: int, workdir: str) -> dict[str, dict]:
+def check(
+  spec: base.EnvSpec,
+  max_turns: int,
+  workers: int,
+  workdir: str,
+  env_workers: Optional[workers_lib.EnvWorkers] = None,
+) -> dict[str, dict]:
   """Runs the oracle on the train and eval splits; writes oracle.json; raises on any failure."""
   report, failures = {}, []
   for split in ("train", "eval"):
-    episodes = run_oracle(spec, list(spec.task_ids(split)), workers)
+    episodes = run_oracle(spec, list(spec.task_ids(split)), workers, env_workers)
     report[split] = summarize(episodes, max_turns)
     failures += [e for e in episodes if not e.success]
   os.makedirs(workdir, exist_ok=True)

@@ -87,8 +87,15 @@ class Program:
   learner_config: learner.LearnerConfig
   roller: rollout.Roller
   eval_roller: rollout.Roller
+  env_workers: rollout.EnvWorkers  # shared by both rollers; `close` shuts them down
   update: Any
   init_state: Any  # () -> TrainState
+
+  def close(self) -> None:
+    """Stops the rollers' threads and the env workers (worker processes)."""
+    self.roller.close()
+    self.eval_roller.close()
+    self.env_workers.shutdown()
 
 
 def env_options(env: ml_collections.ConfigDict) -> dict:
@@ -147,6 +154,22 @@ def build_optimizer(o: ml_collections.ConfigDict) -> optax.GradientTransformatio
   )
 
 
+def build_rollout_config(r: ml_collections.ConfigDict) -> rollout.RolloutConfig:
+  """The `RolloutConfig` of the config's `rollout` section (raises ValueError on a bad value)."""
+  return rollout.RolloutConfig(
+    max_turns=r.max_turns,
+    max_context_tokens=r.max_context_tokens,
+    max_env_tokens=r.max_env_tokens,
+    env_workers=r.env_workers,
+    env_isolation=r.env_isolation,
+    env_call_timeout_s=r.env_call_timeout_s,
+    env_memory_limit_mb=r.env_memory_limit_mb,
+    reset_retries=r.reset_retries,
+    episode_retries=r.episode_retries,
+    max_failed_group_fraction=r.max_failed_group_fraction,
+  )
+
+
 def build(config: ml_collections.ConfigDict) -> Program:
   """Builds the program's parts from a training config (validating it).
 
@@ -181,28 +204,12 @@ def _build(config: ml_collections.ConfigDict) -> Program:
     pad_id=pad_id,
   )
   eval_sampling = dataclasses.replace(sampling_config, greedy=bool(config.eval.greedy))
-  rollout_config = rollout.RolloutConfig(
-    max_turns=r.max_turns,
-    max_context_tokens=r.max_context_tokens,
-    max_env_tokens=r.max_env_tokens,
-    env_workers=r.env_workers,
-    reset_retries=r.reset_retries,
-    episode_retries=r.episode_retries,
-    max_failed_group_fraction=r.max_failed_group_fraction,
-  )
+  rollout_config = build_rollout_config(r)
   if config.eval.tasks_per_call < 1 or config.eval.k < 1 or config.eval.num_tasks < 1:
     raise ConfigError(
       "eval.tasks_per_call, eval.k and eval.num_tasks must be >= 1, got "
       f"{config.eval.tasks_per_call}, {config.eval.k}, {config.eval.num_tasks}"
     )
-  cache_sharding = functools.partial(sharding_lib.cache_shardings, mesh=mesh)
-  roller = rollout.Roller(
-    spec, chat, model_config, sampling_config, rollout_config, cache_sharding=cache_sharding
-  )
-  eval_roller = rollout.Roller(
-    spec, chat, model_config, eval_sampling, rollout_config, cache_sharding=cache_sharding
-  )
-
   learner_fields = config.learner.to_dict()
   learner_fields["custom_order"] = tuple(learner_fields.get("custom_order") or ())
   learner_config = learner.LearnerConfig(num_turns=r.max_turns, **learner_fields)
@@ -216,6 +223,28 @@ def _build(config: ml_collections.ConfigDict) -> Program:
     learner_config,
     value_fn=learner.qwen_value_fn(model_config) if ppo else None,
     critic_optimizer=critic_optimizer,
+  )
+
+  # Worker processes start last, once everything else in the config has checked out.
+  cache_sharding = functools.partial(sharding_lib.cache_shardings, mesh=mesh)
+  env_workers = rollout.make_workers(spec, rollout_config.worker_config(spec.isolation))
+  roller = rollout.Roller(
+    spec,
+    chat,
+    model_config,
+    sampling_config,
+    rollout_config,
+    cache_sharding=cache_sharding,
+    workers=env_workers,
+  )
+  eval_roller = rollout.Roller(
+    spec,
+    chat,
+    model_config,
+    eval_sampling,
+    rollout_config,
+    cache_sharding=cache_sharding,
+    workers=env_workers,
   )
 
   def init_state():
@@ -245,6 +274,7 @@ def _build(config: ml_collections.ConfigDict) -> Program:
     learner_config=learner_config,
     roller=roller,
     eval_roller=eval_roller,
+    env_workers=env_workers,
     update=update,
     init_state=init_state,
   )
@@ -291,7 +321,16 @@ def check_oracle(config: ml_collections.ConfigDict, workdir: str) -> dict:
     raise ConfigError(str(e)) from e
   if spec.oracle is None:
     raise ConfigError(f"policy='oracle': the {config.env.name!r} environment has no oracle")
-  report = oracle.check(spec, config.rollout.max_turns, config.rollout.env_workers, workdir)
+  r = config.rollout
+  try:
+    worker_config = build_rollout_config(r).worker_config(spec.isolation)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+  env_workers = rollout.make_workers(spec, worker_config)
+  try:
+    report = oracle.check(spec, r.max_turns, r.env_workers, workdir, env_workers)
+  finally:
+    env_workers.shutdown()
   rows = [{"split": split, **values} for split, values in report.items()]
   _print(metrics_log.format_table(rows, list(rows[0])))
   _print(f"the oracle solved every task; report in {os.path.join(workdir, 'oracle.json')}")
@@ -317,6 +356,13 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
   """
   os.makedirs(workdir, exist_ok=True)
   program = build(config)
+  try:
+    return _evaluate_only(config, workdir, program)
+  finally:
+    program.close()
+
+
+def _evaluate_only(config, workdir: str, program: Program) -> dict[str, float]:
   state = program.init_state()
   checkpointer = _checkpointer(config, workdir)
   iteration = 0
@@ -335,12 +381,8 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, 
     source = config.model.path or f"a fresh {config.model.preset}"
     _print(f"no checkpoint in {workdir}: evaluating the initial weights ({source})")
   eval_ids = list(program.spec.task_ids("eval"))[: config.eval.num_tasks]
-  try:
-    with jax.set_mesh(program.mesh):
-      scores = _evaluate(program, state, eval_ids, config, iteration, config.eval.k)
-  finally:
-    program.roller.close()
-    program.eval_roller.close()
+  with jax.set_mesh(program.mesh):
+    scores = _evaluate(program, state, eval_ids, config, iteration, config.eval.k)
   scores = {name.removeprefix("eval/"): value for name, value in scores.items()}
   with open(os.path.join(workdir, f"eval_{iteration}.json"), "w", encoding="utf-8") as f:
     json.dump({"iteration": iteration, **scores}, f, indent=1)
@@ -354,6 +396,13 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """
   os.makedirs(workdir, exist_ok=True)
   program = build(config)
+  try:
+    return _train(config, workdir, program)
+  finally:
+    program.close()
+
+
+def _train(config, workdir: str, program: Program) -> dict[str, float]:
   k = config.eval.k
   train_ids = program.spec.task_ids("train")
   eval_ids = list(program.spec.task_ids("eval"))[: config.eval.num_tasks]
@@ -428,8 +477,6 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       bar.close()
     log.close()
     checkpointer.close()
-    program.roller.close()
-    program.eval_roller.close()
   _finish(config, workdir, program, state, k)
   return last
 
