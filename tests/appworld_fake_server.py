@@ -19,10 +19,12 @@ does), AppWorld's messages for syntax errors, unknown APIs and empty code, and
 an error for anything else. A task's unit tests check that given API calls were
 made, that the task was completed, and the answer.
 
-Faults (`FakeAppWorldServer.inject(path, fault, times)`): "500" (an HTTP 500),
-"slow" (the answer comes after `slow_s`), "bad_json" (200 with a body that is
-not JSON), "drop" (the connection is closed without an answer). `stop()`
-closes the listening socket and every open connection (a crash).
+Faults (`FakeAppWorldServer.inject(path, fault, times)`, any path, GET / and
+/api_docs included): "500" (an HTTP 500), "slow" (the answer comes after
+`slow_s`), "bad_json" (200 with a body that is not JSON), "drop" (the
+connection is closed without an answer). `stop()` closes the listening socket
+and every open connection (a crash). `api_docs` is the GET /api_docs answer
+(set it to a wrong shape to test the client's check).
 
     server = FakeAppWorldServer(latency_s=0.01).start()   # in this process, a free port
     proc, url = start_subprocess()                        # as a process (kill it to crash it)
@@ -345,6 +347,7 @@ class FakeAppWorldServer:
     self.latency_s = latency_s
     self.slow_s = slow_s
     self.world: Optional[FakeWorld] = None
+    self.api_docs: Any = API_DOCS  # the GET /api_docs answer (a test may give a wrong shape)
     self.requests: list[tuple[str, str, Any]] = []  # (method, path, body), in arrival order
     self.init_options: list[dict] = []  # the /initialize bodies
     self._faults: dict[str, list[str]] = {}
@@ -407,7 +410,7 @@ class FakeAppWorldServer:
     if method == "GET" and path == "/":
       return {"message": "Welcome to the fake AppWorld server!"}
     if method == "GET" and path == "/api_docs":
-      return API_DOCS
+      return self.api_docs
     with self._lock:
       if self.latency_s:
         time.sleep(self.latency_s)

@@ -8,6 +8,7 @@ mid-episode, HTTP 500, answers slower than the timeout, malformed JSON, a wrong 
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -30,6 +31,16 @@ from seeupo_jax.models import qwen
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIKE = fake.TASKS["fake_like_1"]
+LIKE_SOLVED = {  # the /evaluate output of a solved fake_like_1, as the fake server computes it
+  "success": True,
+  "difficulty": 1,
+  "num_tests": 2,
+  "passes": [
+    {"requirement": "call spotify.like_song with {'song_id': 7}", "label": "no_op_fail"},
+    {"requirement": "complete the task", "label": "no_op_fail"},
+  ],
+  "failures": [],
+}
 
 
 @pytest.fixture
@@ -242,6 +253,93 @@ def test_a_wrong_task_id_is_a_clear_error(start):
   assert server.world.executions == 0
 
 
+TASK = LIKE.describe()
+DOC = fake.API_DOCS["spotify"]["like_song"]
+
+
+@pytest.mark.parametrize(
+  "call,endpoint,body,why",
+  [
+    (
+      lambda c: c.initialize("t", {}),
+      "POST /initialize",
+      {"output": {**TASK, "instruction": None}},
+      "not a task",
+    ),
+    (
+      lambda c: c.initialize("t", {}),
+      "POST /initialize",
+      {"output": {**TASK, "supervisor": {**fake.SUPERVISOR, "phone_number": None}}},
+      "supervisor is not",
+    ),
+    (
+      lambda c: c.initialize("t", {}),
+      "POST /initialize",
+      {"output": {**TASK, "datetime": 20230518}},
+      "no str 'datetime'",
+    ),
+    (lambda c: c.show_task("t"), "GET /tasks/t", {"output": [TASK]}, "not a task"),
+    (lambda c: c.execute("t", "print(1)"), "POST /execute", {"output": 3}, "not a string"),
+    (lambda c: c.execute("t", "print(1)"), "POST /execute", {"result": "1"}, "no 'output' field"),
+    (lambda c: c.task_completed("t"), "POST /task_completed", {"output": "false"}, "not a bool"),
+    (
+      lambda c: c.evaluate("t"),
+      "POST /evaluate",
+      {"output": {"success": True, "num_tests": 1, "passes": ["ok"], "failures": []}},
+      "not an object with a str 'requirement'",
+    ),
+    (
+      lambda c: c.evaluate("t"),
+      "POST /evaluate",
+      {"output": {**LIKE_SOLVED, "difficulty": "hard"}},
+      "'difficulty' is neither an int nor null",
+    ),
+    (lambda c: c.close("t"), "POST /close", {"output": "closed"}, "not null"),
+    (lambda c: c.api_docs(), "GET /api_docs", {"output": fake.API_DOCS}, "not an API doc"),
+  ],
+)
+def test_an_answer_of_the_wrong_shape_is_a_protocol_error_naming_the_endpoint(
+  call, endpoint, body, why
+):
+  transport = httpx.MockTransport(lambda request: httpx.Response(200, json=body))
+  c = client("http://appworld.test", transport=transport)
+  with pytest.raises(client_lib.ProtocolError, match=why) as info:
+    call(c)
+  message = str(info.value)
+  assert message.startswith(f"AppWorld server http://appworld.test: {endpoint} (")
+  assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+  "docs,why",
+  [
+    # Wrapped like the other endpoints' answers: it would list an app named "output".
+    ({"output": fake.API_DOCS}, "output.api_docs is not an API doc"),
+    (list(fake.API_DOCS), "not a non-empty {app name"),
+    ({}, "not a non-empty {app name"),
+    ({"spotify": ["like_song"]}, "app 'spotify' is not a non-empty {api name"),
+    ({"spotify": {}}, "app 'spotify' is not a non-empty {api name"),
+    ({"spotify": {"like_song": {"description": "Like."}}}, "spotify.like_song is not an API doc"),
+    (
+      {"spotify": {"like_song": fake.API_DOCS["venmo"]["send_money"]}},
+      "filed as spotify.like_song is 'venmo'.'send_money'",
+    ),
+    ({"spotify": {"like_song": {**DOC, "description": None}}}, "'description' is not a string"),
+    (
+      {"spotify": {"like_song": {**DOC, "parameters": {"song_id": {}}}}},
+      "'parameters' is not a list of objects",
+    ),
+  ],
+)
+def test_api_docs_of_the_wrong_shape_are_a_protocol_error(start, docs, why):
+  (server,) = start()
+  server.api_docs = docs
+  with pytest.raises(client_lib.ProtocolError, match=re.escape(why)) as info:
+    client(server.url).api_docs()
+  assert f"AppWorld server {server.url}: GET /api_docs (read the API docs)" in str(info.value)
+  assert server.count("/api_docs") == 1  # a wrong shape is not retried
+
+
 # --- the pool -------------------------------------------------------------------------------------
 
 
@@ -326,6 +424,48 @@ def test_a_failed_server_leaves_the_pool_and_rejoins_when_it_answers(start):
     revived.stop()
 
 
+def test_a_server_that_failed_an_episode_is_leased_last_and_only_after_a_health_check(start):
+  a, b = start(2)
+  pool = client_lib.ServerPool([client(a.url), client(b.url)], lease_timeout_s=0.3, recheck_s=60)
+  first, second = pool.lease(), pool.lease()
+  assert (first.url, second.url) == (a.url, b.url)  # URL order at start
+  # A's episode fails with a 5xx (A still answers GET /, so it stays in rotation), and is given
+  # back before B's episode ends: A has been idle longest, but B is leased first.
+  pool.release(first, client_lib.ServerError("POST /evaluate failed: HTTP 500"))
+  pool.release(second)
+  assert pool.failed() == [a.url] and pool.counts()["idle"] == 2
+  probes = a.count("/")
+  assert pool.lease() is second
+  assert a.count("/") == probes  # a server that did not fail is leased without a probe
+  # Only A is left, and it fails its health check: it is not leased, and stays out.
+  a.inject("/", "500")
+  with pytest.raises(client_lib.PoolExhausted, match=r"all 1 answering .* \(1 more are down\)"):
+    pool.lease()
+  assert a.count("/") == probes + 1
+  assert pool.down() == {a.url: f"GET {a.url}/: HTTP 500"}
+  # It recovers: once recheck_s has passed it is probed again, answers, and is leased.
+  pool.recheck_s = 0.0
+  assert pool.lease() is first
+  assert a.count("/") == probes + 2
+  # An episode that ends well clears the mark: the order is idle-longest again.
+  pool.release(first)
+  pool.release(second)
+  assert pool.failed() == []
+  assert pool.lease() is first
+
+
+def test_a_failed_server_that_answers_its_probe_is_leased_when_no_other_is_idle(start):
+  a, b = start(2)
+  pool = client_lib.ServerPool([client(a.url), client(b.url)], lease_timeout_s=0.3)
+  first, second = pool.lease(), pool.lease()
+  pool.release(first, client_lib.RequestRejected("HTTP 422"))
+  probes = a.count("/")  # release probed it once
+  assert pool.lease() is first  # B is still leased: A, probed again first, is leased
+  assert a.count("/") == probes + 1
+  pool.release(first)
+  pool.release(second)
+
+
 def test_no_answering_server_is_an_error_naming_every_url_and_the_command():
   urls = [free_url(), free_url()]
   pool = client_lib.ServerPool([client(u) for u in urls], recheck_s=60)
@@ -334,6 +474,7 @@ def test_no_answering_server_is_an_error_naming_every_url_and_the_command():
     pool.lease()  # all down: probed once more, then the error
   assert all(u in str(info.value) for u in urls)
   assert "experiments/appworld_servers.sh" in str(info.value)
+  assert "\n" not in str(info.value)
 
 
 # --- the environment ------------------------------------------------------------------------------
@@ -497,6 +638,7 @@ def test_spec_without_servers_names_the_urls_and_the_command(tmp_path):
   assert time.perf_counter() - t0 < 3.0
   message = str(info.value)
   assert all(u in message for u in urls) and "experiments/appworld_servers.sh" in message
+  assert "\n" not in message
   # From ports: the command in the message uses them.
   with pytest.raises(envs.EnvironmentUnavailable, match="appworld_servers.sh 2 1"):
     envs.make_spec("appworld", {"host": "127.0.0.1", "base_port": 1, "num_servers": 2})
@@ -546,6 +688,68 @@ def test_spec_runs_with_the_servers_that_answer(start, tmp_path):
   env.close()
 
 
+@pytest.mark.parametrize("first", ["refused", "silent", "api_docs_500", "api_docs_dropped"])
+def test_the_run_starts_when_the_first_url_is_down(start, tmp_path, first):
+  """Start-up probes every server and reads the API docs from the first one that answers them:
+  a first URL that refuses connections, accepts them but never answers, or fails GET /api_docs
+  does not stop the run while others answer."""
+  healthy = start(2)
+  listener = None
+  if first == "refused":
+    url = free_url()
+  elif first == "silent":  # connections are accepted (the kernel's backlog), never answered
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    url = "http://127.0.0.1:%d" % listener.getsockname()[1]
+  else:
+    (broken,) = start()
+    broken.inject("/api_docs", "500" if first == "api_docs_500" else "drop", times=10)
+    url = broken.url
+  try:
+    options = {
+      "urls": ",".join([url, *(s.url for s in healthy)]),
+      "datasets_dir": datasets(tmp_path),
+      "retries": 1,
+      "backoff_s": 0.01,
+      "health_timeout_s": 0.5,
+    }
+    t0 = time.perf_counter()
+    spec = envs.make_spec("appworld", options)  # what run.py calls
+    assert time.perf_counter() - t0 < 5.0
+    env = spec.make()
+    system, _ = env.reset("fake_like_1").messages
+    assert "- spotify: show_song, like_song, show_liked_songs" in system["content"]
+    # The docs came from the first healthy server, read once; the episode runs on a healthy one.
+    assert [s.count("/api_docs") for s in healthy] == [1, 0]
+    assert env.server_url in {s.url for s in healthy}
+    env.close()
+    if first.startswith("api_docs"):
+      assert broken.count("/api_docs") == 2  # 1 retry, then the next server
+      assert broken.count("/initialize") == 0
+  finally:
+    if listener is not None:
+      listener.close()
+
+
+def test_api_docs_of_the_wrong_shape_stop_the_start_with_the_endpoint_named(start, tmp_path):
+  servers = start(2)
+  for server in servers:
+    server.api_docs = {"output": fake.API_DOCS}  # wrapped, as a wrong server version might
+  with pytest.raises(envs.EnvironmentUnavailable) as info:
+    make_spec(servers, tmp_path)
+  message = str(info.value)
+  assert "\n" not in message and "GET /api_docs" in message and "wrong shape" in message
+  assert all(s.url in message and s.count("/api_docs") == 1 for s in servers)
+  # One server of the wrong shape among right ones: the run starts with the right docs.
+  servers[1].api_docs = fake.API_DOCS
+  env = make_spec(servers, tmp_path).make()
+  system, _ = env.reset("fake_like_1").messages
+  assert "- output:" not in system["content"] and "- spotify: " in system["content"]
+  assert env.server_url == servers[1].url  # the first one gave a wrong shape: out of the pool
+  env.close()
+
+
 @pytest.mark.parametrize(
   "options,message",
   [
@@ -587,6 +791,48 @@ def test_the_config_file_holds_every_field_flat():
 # --- with the rollout loop --------------------------------------------------------------------
 
 
+def play_rollout(spec, task_ids, samples_per_task):
+  """One `Roller.run` of a random qwen3-tiny (it never writes a code block) with 2 turns."""
+  model = model_config_lib.get_preset("qwen3-tiny")
+  tok = tokenizer_lib.build_default_tokenizer()
+  sc = sampling.SamplingConfig(
+    max_new_tokens=4, stop_token_ids=tuple(tokenizer_lib.stop_token_ids(tok)), pad_id=0
+  )
+  rc = rollout.RolloutConfig(
+    max_turns=2, max_context_tokens=256, max_env_tokens=64, max_failed_group_fraction=0.5
+  )
+  roller = rollout.Roller(spec, chat_tokens.ChatTokens(tok), model, sc, rc)
+  params = qwen.init_params(model, jax.random.key(0))
+  try:
+    return roller.run(params, task_ids, samples_per_task, jax.random.key(1))
+  finally:
+    roller.close()
+
+
+def test_an_episode_replayed_after_a_5xx_runs_on_another_server(start, tmp_path, monkeypatch):
+  """The rollout loop replays an episode whose server answered 500 on a fresh environment. The
+  failing server was given back first (when its episode failed, before the other episodes
+  closed), so it has been idle longest; the replay still goes to another server, and the
+  group is kept."""
+  monkeypatch.setattr(aw, "SYSTEM_PROMPT", "Write ```python code. {max_turns} turns.")
+  servers = start(3)
+  failing = servers[0]  # the first lease gets it: one of the three episodes plays there
+  failing.inject("/evaluate", "500", times=100)
+  spec = make_spec(servers, tmp_path, api_docs="none", max_turns=2)
+  result = play_rollout(spec, ["fake_like_1", "fake_pay_1", "fake_count_1"], 1)
+  (replayed,) = [t for t in result.trajectories if t.retried_errors]
+  (error,) = replayed.retried_errors
+  assert failing.url in error and "POST /evaluate" in error and "HTTP 500" in error
+  assert replayed.error is None and not replayed.dropped, replayed.error
+  assert replayed.score_details["server"] in {servers[1].url, servers[2].url}
+  assert result.metrics["rollout/failed_groups"] == 0
+  assert result.metrics["rollout/retried_episodes"] == 1
+  assert failing.count("/initialize") == 1 and failing.count("/evaluate") == 2  # 1 retry
+  pool = spec.make().pool
+  assert pool.failed() == [failing.url]  # still answers GET /: in the pool, leased last
+  assert pool.counts() == {"idle": 3, "leased": 0, "down": 0, "probing": 0}
+
+
 def test_the_rollout_loop_replays_a_failed_episode_and_drops_a_failing_group(
   start, tmp_path, monkeypatch
 ):
@@ -613,20 +859,9 @@ def test_the_rollout_loop_replays_a_failed_episode_and_drops_a_failing_group(
     env.reset = reset_then_crash
     return env
 
-  model = model_config_lib.get_preset("qwen3-tiny")
-  tok = tokenizer_lib.build_default_tokenizer()
-  sc = sampling.SamplingConfig(
-    max_new_tokens=4, stop_token_ids=tuple(tokenizer_lib.stop_token_ids(tok)), pad_id=0
+  result = play_rollout(
+    envs.EnvSpec(make, spec.task_ids, spec.max_turns), ["fake_like_1", "fake_pay_1", "nope_1"], 2
   )
-  rc = rollout.RolloutConfig(
-    max_turns=2, max_context_tokens=256, max_env_tokens=64, max_failed_group_fraction=0.5
-  )
-  roller = rollout.Roller(
-    envs.EnvSpec(make, spec.task_ids, spec.max_turns), chat_tokens.ChatTokens(tok), model, sc, rc
-  )
-  params = qwen.init_params(model, jax.random.key(0))
-  result = roller.run(params, ["fake_like_1", "fake_pay_1", "nope_1"], 2, jax.random.key(1))
-  roller.close()
   by_task = {}
   for t in result.trajectories:
     by_task.setdefault(t.task_id, []).append(t)
@@ -693,12 +928,10 @@ def test_the_server_script_starts_waits_and_stops_its_servers(tmp_path):
   assert done.returncode == 1 and "set APPWORLD_PYTHON" in done.stderr
 
 
-@pytest.mark.slow
-def test_a_short_seeupo_run_against_four_fake_servers(start, tmp_path):
-  servers = start(4)
-  servers[0].inject("/evaluate", "drop", times=2)  # the first episode there fails: replayed
+def run_program(servers, tmp_path, workdir) -> subprocess.CompletedProcess:
+  """`run.py --config=appworld`: one SeeUPO iteration of a random qwen3-tiny (2 tasks x 2
+  samples, 2 turns), then an evaluation of 2 tasks x 2 attempts, on CPU."""
   ds = datasets(tmp_path / "ds", train=("fake_like_1", "fake_count_1"), dev=("gen_0_1", "gen_1_1"))
-  workdir = tmp_path / "run"
   env = dict(
     os.environ,
     JAX_PLATFORMS="cpu",
@@ -707,7 +940,7 @@ def test_a_short_seeupo_run_against_four_fake_servers(start, tmp_path):
     JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
   )
-  proc = subprocess.run(
+  return subprocess.run(
     [
       sys.executable,
       str(ROOT / "experiments" / "run.py"),
@@ -742,6 +975,14 @@ def test_a_short_seeupo_run_against_four_fake_servers(start, tmp_path):
     cwd=ROOT,
     timeout=600,
   )
+
+
+@pytest.mark.slow
+def test_a_short_seeupo_run_against_four_fake_servers(start, tmp_path):
+  servers = start(4)
+  servers[0].inject("/evaluate", "drop", times=2)  # the first episode there fails: replayed
+  workdir = tmp_path / "run"
+  proc = run_program(servers, tmp_path, workdir)
   assert proc.returncode == 0, proc.stderr[-3000:]
   (record,) = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert record["rollout/retried_episodes"] == 1 and record["rollout/failed_groups"] == 0
@@ -755,6 +996,46 @@ def test_a_short_seeupo_run_against_four_fake_servers(start, tmp_path):
   closed = sum(s.count("/close") for s in servers)
   assert opened == closed + 1 == 4 + 1 + 4  # training, its replay, evaluation
   assert sum(s.count("/api_docs") for s in servers) == 1
+
+
+@pytest.mark.slow
+def test_all_servers_failing_mid_run_end_it_with_one_error_line_and_no_traceback(start, tmp_path):
+  """Once the first episode has started, two servers are killed and two answer 500 to every task
+  call (their GET / still answers): the run stops with exit status 1 and one `error: ` line
+  naming the failure, and the traceback goes to <workdir>/error.log, not the terminal."""
+  servers = start(4)
+  broke, stop_watching = threading.Event(), threading.Event()
+
+  def break_every_server_once_an_episode_started():
+    while not stop_watching.is_set():
+      if any(s.count("/initialize") for s in servers):
+        for server in servers[:2]:
+          server.stop()
+        for server in servers[2:]:
+          for path in ("/initialize", "/execute", "/task_completed", "/evaluate", "/close"):
+            server.inject(path, "500", times=10**6)
+        broke.set()
+        return
+      time.sleep(0.005)
+
+  watcher = threading.Thread(target=break_every_server_once_an_episode_started, daemon=True)
+  watcher.start()
+  workdir = tmp_path / "run"
+  try:
+    proc = run_program(servers, tmp_path, workdir)
+  finally:
+    stop_watching.set()
+    watcher.join(5)
+  assert broke.is_set(), proc.stderr[-3000:]  # the run got past start-up, then the servers broke
+  assert sum(s.count("/api_docs") for s in servers) == 1
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert "Traceback (most recent call last)" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+  error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+  assert len(error_lines) == 1, proc.stderr[-3000:]
+  (line,) = error_lines
+  assert line.endswith(f"(traceback in {workdir}/error.log)"), line
+  assert "AppWorld server http://127.0.0.1:" in line, line  # it names the failure: which server
+  assert "Traceback (most recent call last)" in (workdir / "error.log").read_text()
 
 
 def test_the_benchmark_runs_small():

@@ -39,7 +39,8 @@ Tasks: the ids of AppWorld's splits ("train", "dev", "test_normal",
 `task_ids("train")` is the `train_split`, `task_ids("eval")` the `eval_split`
 (defaults train and dev).
 
-API docs in the prompt (`api_docs`): read once per pool from GET /api_docs.
+API docs in the prompt (`api_docs`): read once per pool from GET /api_docs, on
+the first server that answers it (start-up goes on when the first URL is down).
 "names" (default): each app with its API names, one line per app (about 2-3k
 tokens for AppWorld's 457 APIs); "descriptions": one line per API with its
 required parameters and first sentence (several times longer); "none": only the
@@ -528,9 +529,13 @@ def _load_ids(path: str, what: str) -> list[str]:
 def spec(config: AppWorldConfig, pool: Optional[client_lib.ServerPool] = None) -> base.EnvSpec:
   """The registry entry: probes the servers, reads the API docs and the task ids.
 
+  Every server is probed; the API docs and the first task of each id list are read from the
+  first one that answers, or the next if that call fails there (`ServerPool.run_on_one`).
+
   Raises:
-    EnvironmentUnavailable: no server answers (the message names the URLs tried and the command
-      that starts servers), the API docs cannot be read, or a task id list is missing.
+    EnvironmentUnavailable (one line): no server answers (the message names the URLs tried and
+      the command that starts servers), the API docs cannot be read (or have the wrong shape) on
+      any server tried, a task id list is missing, or its first task is unknown to the servers.
   """
   pool = pool or make_pool(config)
   results = pool.probe(log=False)
@@ -546,9 +551,8 @@ def spec(config: AppWorldConfig, pool: Optional[client_lib.ServerPool] = None) -
         f"--config.env.base_port={config.base_port} --config.env.num_servers={config.num_servers}"
       )
     raise base.EnvironmentUnavailable(
-      f"no AppWorld environment server answers ({len(results)} tried):\n{tried}\n"
-      f"Start them (from AppWorld's own venv) with:\n  {command}\nand run with {flags} "
-      "(docs/appworld.md)"
+      f"no AppWorld environment server answers ({len(results)} tried: {tried}). Start them "
+      f"(from AppWorld's own venv) with `{command}` and run with {flags} (docs/appworld.md)"
     )
   if len(answering) < len(results):
     logging.warning(
@@ -564,26 +568,23 @@ def spec(config: AppWorldConfig, pool: Optional[client_lib.ServerPool] = None) -
     "train": _load_ids(train_file, f"train ({config.train_split})"),
     "eval": _load_ids(eval_file, f"eval ({config.eval_split})"),
   }
+  # The API docs, and one task of each id list (the lists and the servers must come from the
+  # same AppWorld data), from the first answering server; another one if that call fails there.
   try:
     docs_text = (
       format_api_docs(pool.api_docs(), config.api_docs) if config.api_docs != "none" else ""
     )
-    # The id lists and the servers must come from the same AppWorld data.
-    for role, path in (("train", train_file), ("eval", eval_file)):
-      client = pool.lease()
-      failure = None
-      try:
-        client.show_task(ids[role][0])
-      except client_lib.AppWorldError as e:
-        failure = e
-        raise base.EnvironmentUnavailable(
-          f"appworld: task {ids[role][0]!r} (the first of {path!r}) cannot be looked up on "
-          f"{client.url}: {e}. Do the id lists come from the servers' AppWorld data?"
-        ) from None
-      finally:
-        pool.release(client, failure)
   except client_lib.AppWorldError as e:
-    raise base.EnvironmentUnavailable(f"appworld: {e}") from None
+    raise base.EnvironmentUnavailable(f"appworld: cannot read the API docs: {e}") from None
+  for role, path in (("train", train_file), ("eval", eval_file)):
+    task_id = ids[role][0]
+    try:
+      pool.run_on_one(lambda client, task_id=task_id: client.show_task(task_id))
+    except client_lib.AppWorldError as e:
+      raise base.EnvironmentUnavailable(
+        f"appworld: task {task_id!r} (the first of {path!r}) cannot be looked up: {e}. Do the "
+        "id lists come from the servers' AppWorld data?"
+      ) from None
   logging.info(
     "appworld: %d servers (%d answer), %d train / %d eval tasks, system prompt %d characters",
     len(pool),

@@ -41,12 +41,18 @@ second run of the code could repeat its side effects (a payment, a message);
 such an episode is instead replayed from the start on a fresh environment by
 the rollout loop. When the retries are spent, the error names the server's
 URL, the request and the cause. Nothing here returns a default value for a
-failed call: a failure is always an exception.
+failed call: a failure is always an exception, and its message is one line
+naming the server's URL, the endpoint and what happened.
+
+Shapes: every answer is checked against the shapes above (types, fields, counts
+that add up; /api_docs down to each doc's fields and names). A wrong shape is a
+`ProtocolError` naming the endpoint, never a default or a guess.
 
 `ServerPool` leases servers to episodes, one episode per server (see its
 docstring): thread-safe, blocking with a timeout when every server is leased,
-and taking a server that stops answering out of rotation while at least one
-other still answers.
+taking a server that stops answering out of rotation while at least one other
+still answers, and leasing a server whose episode failed only after the others
+and after it answers a health probe.
 """
 
 from __future__ import annotations
@@ -58,10 +64,12 @@ import json
 import ssl
 import threading
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 from absl import logging
 import httpx
+
+T = TypeVar("T")
 
 
 def start_command(
@@ -196,7 +204,7 @@ class AppWorldClient:
 
   def health(self) -> Optional[str]:
     """None when GET / answers AppWorld's welcome ({"message": "Welcome to AppWorld Server! ..."})
-    within `health_timeout_s`, else why not.
+    within `health_timeout_s`, else why not (one line naming the URL).
 
     One attempt, no retry: the pool decides what to do with a server that does not answer.
     """
@@ -220,73 +228,61 @@ class AppWorldClient:
     options: more `AppWorldInitDefaults` fields (experiment_name, timeout_seconds, ...).
     Retried like every idempotent call: initializing again starts the same world afresh.
     """
-    body = {**options, "task_id": task_id}
-    output = self._call("POST", "/initialize", body, what=f"initialize task {task_id!r}")
-    return _task_info(output, self.url, "/initialize")
+    where = self._where("POST", "/initialize", f"initialize task {task_id!r}")
+    output = self._call("POST", "/initialize", {**options, "task_id": task_id}, where=where)
+    return _task_info(output, where)
 
   def execute(self, task_id: str, code: str) -> str:
     """POST /execute: runs `code` in the task's Python session; the printed output.
 
     Retried only when the request cannot have reached the server (see the module docstring).
     """
-    output = self._call(
-      "POST",
-      "/execute",
-      {"task_id": task_id, "code": code},
-      what=f"execute code in task {task_id!r}",
-      idempotent=False,
-    )
+    where = self._where("POST", "/execute", f"execute code in task {task_id!r}")
+    body = {"task_id": task_id, "code": code}
+    output = self._call("POST", "/execute", body, where=where, idempotent=False)
     if not isinstance(output, str):
-      raise ProtocolError(
-        f"AppWorld server {self.url}: POST /execute answered output of type "
-        f"{type(output).__name__}, expected a string"
-      )
+      raise _wrong_shape(where, "output is not a string", output)
     return output
 
   def task_completed(self, task_id: str) -> bool:
     """POST /task_completed: whether the agent has called apis.supervisor.complete_task."""
-    output = self._call(
-      "POST", "/task_completed", {"task_id": task_id}, what=f"ask if task {task_id!r} is completed"
-    )
+    where = self._where("POST", "/task_completed", f"ask if task {task_id!r} is completed")
+    output = self._call("POST", "/task_completed", {"task_id": task_id}, where=where)
     if not isinstance(output, bool):
-      raise ProtocolError(
-        f"AppWorld server {self.url}: POST /task_completed answered {output!r}, expected a bool"
-      )
+      raise _wrong_shape(where, "output is not a bool", output)
     return output
 
   def evaluate(self, task_id: str) -> Evaluation:
     """POST /evaluate: runs the task's unit tests on the world's current state."""
-    output = self._call(
-      "POST",
-      "/evaluate",
-      {"task_id": task_id, "suppress_errors": True, "report": False},
-      what=f"evaluate task {task_id!r}",
-    )
-    return _evaluation(output, self.url)
+    where = self._where("POST", "/evaluate", f"evaluate task {task_id!r}")
+    body = {"task_id": task_id, "suppress_errors": True, "report": False}
+    return _evaluation(self._call("POST", "/evaluate", body, where=where), where)
 
   def close(self, task_id: str) -> None:
     """POST /close: releases the task world's resources on the server."""
-    self._call("POST", "/close", {"task_id": task_id}, what=f"close task {task_id!r}")
+    where = self._where("POST", "/close", f"close task {task_id!r}")
+    output = self._call("POST", "/close", {"task_id": task_id}, where=where)
+    if output is not None:
+      raise _wrong_shape(where, "output is not null", output)
 
   def show_task(self, task_id: str) -> TaskInfo:
     """GET /tasks/{task_id}: the task's description, without initializing it."""
-    output = self._call("GET", f"/tasks/{task_id}", None, what=f"look up task {task_id!r}")
-    return _task_info(output, self.url, "/tasks/{task_id}")
+    where = self._where("GET", f"/tasks/{task_id}", f"look up task {task_id!r}")
+    return _task_info(self._call("GET", f"/tasks/{task_id}", None, where=where), where)
 
   def api_docs(self) -> dict[str, dict[str, dict]]:
-    """GET /api_docs: {app name: {api name: doc}} (see the module docstring)."""
-    docs = self._call("GET", "/api_docs", None, what="read the API docs", wrapped=False)
-    if not isinstance(docs, dict) or not all(
-      isinstance(apis, dict) and all(isinstance(doc, dict) for doc in apis.values())
-      for apis in docs.values()
-    ):
-      raise ProtocolError(
-        f"AppWorld server {self.url}: GET /api_docs is not {{app: {{api: doc}}}}: "
-        f"{json.dumps(docs)[:200]}"
-      )
+    """GET /api_docs: {app name: {api name: doc}} (see the module docstring), shape-checked:
+    every doc has AppWorld's fields and names the app and the API it is filed under."""
+    where = self._where("GET", "/api_docs", "read the API docs")
+    docs = self._call("GET", "/api_docs", None, where=where, wrapped=False)
+    _check_api_docs(docs, where)
     return docs
 
   # --- plumbing ------------------------------------------------------------------------------
+
+  def _where(self, method: str, path: str, what: str) -> str:
+    """The prefix of every error about one request: the server, the endpoint, the purpose."""
+    return f"AppWorld server {self.url}: {method} {path} ({what})"
 
   def _call(
     self,
@@ -294,16 +290,17 @@ class AppWorldClient:
     path: str,
     body: Optional[dict],
     *,
-    what: str,
+    where: str,
     idempotent: bool = True,
     wrapped: bool = True,
   ) -> Any:
     """Sends the request with retries; the answer's "output" (or the whole body if not wrapped).
 
+    where: the error messages' prefix (`_where`).
+
     Raises:
       ServerUnreachable, ServerError, RequestRejected, ProtocolError (see their docstrings).
     """
-    where = f"AppWorld server {self.url}: {method} {path} ({what})"
     attempts = self.retries + 1
     for attempt in range(attempts):
       last = attempt == attempts - 1
@@ -311,7 +308,9 @@ class AppWorldClient:
         response = self._http.request(method, path, json=body)
       except _NOT_SENT as e:
         if last:
-          raise ServerUnreachable(f"{where} failed after {attempts} attempts: {_describe(e)}")
+          raise ServerUnreachable(
+            f"{where} failed after {attempts} attempts: {_describe(e)}"
+          ) from None
         self._backoff(attempt, where, e)
         continue
       except _MAYBE_SENT as e:
@@ -385,70 +384,135 @@ def _ssl_context() -> ssl.SSLContext:
 
 
 def _describe(error: Exception) -> str:
-  text = str(error) or "no detail"
+  """`ErrorType: message`, on one line."""
+  text = " ".join(str(error).split()) or "no detail"
   return f"{type(error).__name__}: {text}"
 
 
-def _task_info(output: Any, url: str, path: str) -> TaskInfo:
-  fields = ("task_id", "instruction", "supervisor", "datetime")
-  person = ("first_name", "last_name", "email", "phone_number")
-  if (
-    not isinstance(output, dict)
-    or any(k not in output for k in fields)
-    or not isinstance(output["instruction"], str)
-    or not isinstance(output["supervisor"], dict)
-    or any(k not in output["supervisor"] for k in person)
+def _snippet(value: Any, limit: int = 200) -> str:
+  """The start of `value` as JSON (what a wrong-shape error quotes)."""
+  try:
+    text = json.dumps(value, default=str)
+  except ValueError:  # a circular structure: never from JSON, but an error must not fail
+    text = repr(value)
+  return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _wrong_shape(where: str, why: str, value: Any) -> ProtocolError:
+  return ProtocolError(f"{where} answered a wrong shape: {why}: {_snippet(value)}")
+
+
+_TASK_FIELDS = ("task_id", "instruction", "supervisor", "datetime")
+_PERSON_FIELDS = ("first_name", "last_name", "email", "phone_number")
+
+
+def _task_info(output: Any, where: str) -> TaskInfo:
+  """The output of /initialize or /tasks/{id}: {task_id, instruction, datetime: str,
+  supervisor: {first_name, last_name, email, phone_number: str}}."""
+  if not isinstance(output, dict) or any(
+    not isinstance(output.get(k), str) for k in _TASK_FIELDS[:2]
   ):
-    raise ProtocolError(
-      f"AppWorld server {url}: {path} output is not a task "
-      f"({', '.join(fields)}; supervisor: {', '.join(person)}): {json.dumps(output)[:200]}"
+    raise _wrong_shape(where, "output is not a task (str task_id and instruction)", output)
+  if not isinstance(output.get("datetime"), str):
+    raise _wrong_shape(where, "the task has no str 'datetime'", output)
+  supervisor = output.get("supervisor")
+  if not isinstance(supervisor, dict) or any(
+    not isinstance(supervisor.get(k), str) for k in _PERSON_FIELDS
+  ):
+    raise _wrong_shape(
+      where, f"the task's supervisor is not {{{', '.join(_PERSON_FIELDS)}: str}}", supervisor
     )
-  supervisor = {k: str(output["supervisor"][k]) for k in person}
   return TaskInfo(
-    task_id=str(output["task_id"]),
+    task_id=output["task_id"],
     instruction=output["instruction"],
-    supervisor=supervisor,
-    datetime=str(output["datetime"]),
+    supervisor={k: supervisor[k] for k in _PERSON_FIELDS},
+    datetime=output["datetime"],
   )
 
 
-def _evaluation(output: Any, url: str) -> Evaluation:
+def _evaluation(output: Any, where: str) -> Evaluation:
+  """The output of /evaluate (AppWorld's TestTracker.to_dict): {success: bool, difficulty:
+  int | None, num_tests: int, passes: [{requirement, label}], failures: [{requirement, trace,
+  label}]}, with counts that add up."""
+
   def bad(why: str) -> ProtocolError:
-    return ProtocolError(
-      f"AppWorld server {url}: /evaluate output {why}: {json.dumps(output)[:300]}"
-    )
+    return _wrong_shape(where, why, output)
 
   if not isinstance(output, dict):
-    raise bad("is not an object")
+    raise bad("output is not an object")
   success, num_tests = output.get("success"), output.get("num_tests")
   passes, failures = output.get("passes"), output.get("failures")
+  difficulty = output.get("difficulty")
   if not isinstance(success, bool):
-    raise bad("has no bool 'success'")
+    raise bad("output has no bool 'success'")
   if not isinstance(num_tests, int) or isinstance(num_tests, bool) or num_tests < 0:
-    raise bad("has no int 'num_tests' >= 0")
+    raise bad("output has no int 'num_tests' >= 0")
   if not isinstance(passes, list) or not isinstance(failures, list):
-    raise bad("has no 'passes' and 'failures' lists")
+    raise bad("output has no 'passes' and 'failures' lists")
   if len(passes) + len(failures) > num_tests:
     raise bad(f"counts {len(passes)} passes + {len(failures)} failures > num_tests={num_tests}")
   if success != (len(passes) == num_tests):
     raise bad(f"says success={success} with {len(passes)} of {num_tests} tests passed")
-  requirements = tuple(
-    str(f.get("requirement", "")) if isinstance(f, dict) else str(f) for f in failures
-  )
-  difficulty = output.get("difficulty")
+  if not all(
+    isinstance(t, dict) and isinstance(t.get("requirement"), str) for t in passes + failures
+  ):
+    raise bad("a pass or failure is not an object with a str 'requirement'")
+  if difficulty is not None and (not isinstance(difficulty, int) or isinstance(difficulty, bool)):
+    raise bad("'difficulty' is neither an int nor null")
   return Evaluation(
     success=success,
     num_tests=num_tests,
     passes=len(passes),
     failures=len(failures),
-    failed_requirements=requirements,
-    difficulty=difficulty if isinstance(difficulty, int) else None,
+    failed_requirements=tuple(f["requirement"] for f in failures),
+    difficulty=difficulty,
   )
+
+
+_DOC_FIELDS = (
+  "app_name",
+  "api_name",
+  "path",
+  "method",
+  "description",
+  "parameters",
+  "response_schemas",
+)
+
+
+def _check_api_docs(docs: Any, where: str) -> None:
+  """Raises a ProtocolError unless `docs` is {app name: {api name: doc}}: at least one app, each
+  with at least one API, each doc an object with AppWorld's fields (`_DOC_FIELDS`) whose
+  app_name and api_name are the keys it is filed under, and a list of parameter objects.
+
+  This is what catches an answer wrapped like the other endpoints' ({"output": {...}}), which
+  would otherwise put an app named "output" in the prompt.
+  """
+  if not isinstance(docs, dict) or not docs:
+    raise _wrong_shape(where, "not a non-empty {app name: {api name: doc}} object", docs)
+  for app, apis in docs.items():
+    if not isinstance(apis, dict) or not apis:
+      raise _wrong_shape(where, f"app {app!r} is not a non-empty {{api name: doc}} object", apis)
+    for api, doc in apis.items():
+      if not isinstance(doc, dict) or any(k not in doc for k in _DOC_FIELDS):
+        raise _wrong_shape(where, f"{app}.{api} is not an API doc ({', '.join(_DOC_FIELDS)})", doc)
+      if doc["app_name"] != app or doc["api_name"] != api:
+        raise _wrong_shape(
+          where, f"the doc filed as {app}.{api} is {doc['app_name']!r}.{doc['api_name']!r}", doc
+        )
+      if not isinstance(doc["description"], str):
+        raise _wrong_shape(where, f"{app}.{api}: 'description' is not a string", doc)
+      parameters = doc["parameters"]
+      if not isinstance(parameters, list) or not all(isinstance(p, dict) for p in parameters):
+        raise _wrong_shape(where, f"{app}.{api}: 'parameters' is not a list of objects", doc)
 
 
 # --- the pool -------------------------------------------------------------------------------------
 
 _IDLE, _LEASED, _DOWN, _PROBING = "idle", "leased", "down", "probing"
+
+FALLBACK_SERVERS = 3
+"""`ServerPool.run_on_one` tries a call on at most this many servers before it gives up."""
 
 
 @dataclasses.dataclass
@@ -458,20 +522,33 @@ class _Server:
   reason: str = ""  # why it is down
   checked_at: float = 0.0  # time.monotonic() of the last health probe
   released_at: float = 0.0
+  failed_at: float = 0.0  # when its last episode failed; 0.0: it did not (or never ran one)
 
 
 class ServerPool:
   """Leases AppWorld servers to episodes: one episode per server, from reset to close.
 
-  `lease()` hands out an idle server (the one idle longest), marking it leased;
-  `release(client, failure)` gives it back. A server whose call failed for
-  transport reasons (unreachable, timeouts, malformed answers) goes DOWN: out
-  of rotation. A server that answered 5xx or 4xx is probed (GET /) and goes
-  back to rotation if it answers. A DOWN server is probed again when a lease
-  finds no idle server and `recheck_s` passed since its last probe (a restarted
-  server rejoins). The run goes on while at least one server answers; when none
-  does, `lease()` raises `PoolExhausted` naming every URL and why, and the
-  command that starts servers.
+  `lease()` hands out an idle server, marking it leased; `release(client,
+  failure)` gives it back. A server whose call failed for transport reasons
+  (unreachable, timeouts, malformed answers) goes DOWN: out of rotation. A
+  server that answered 5xx or 4xx is probed (GET /) at once and goes DOWN if it
+  does not answer. Either way the server is marked as having failed its
+  episode, until an episode on it ends without failure. The lease order:
+
+    1. servers that did not fail their last episode, the one idle longest
+       first: an episode replayed after a failure goes to another server when
+       one is idle;
+    2. then servers that did, the one that failed longest ago first, each
+       health-probed (GET /) right before it is leased: it is leased only if it
+       answers, else it goes DOWN;
+    3. when no server is idle: DOWN servers whose last probe is `recheck_s` old
+       are probed again (a restarted server rejoins; one that fails the probe
+       stays out), and when no server is leased either, every DOWN server is
+       probed once, now.
+
+  The run goes on while at least one server answers; when none does,
+  `lease()` raises `PoolExhausted` naming every URL and why, and the command
+  that starts servers.
 
   When every live server is leased, `lease()` waits for a release, at most
   `lease_timeout_s`, then raises. Leases that would wait again before any
@@ -481,8 +558,8 @@ class ServerPool:
   (`EnvSpec.capacity`), so a lease waits only when servers go down mid-wave or
   something else leases them.
 
-  Thread-safe: the rollout loop resets, steps and closes environments from a
-  thread pool.
+  Every message is one line. Thread-safe: the rollout loop resets, steps and
+  closes environments from a thread pool.
   """
 
   def __init__(
@@ -527,6 +604,11 @@ class ServerPool:
     with self._cond:
       return {s.client.url: s.reason for s in self._servers if s.state == _DOWN}
 
+  def failed(self) -> list[str]:
+    """The URLs of the servers whose last episode failed (leased last, probed first)."""
+    with self._cond:
+      return [s.client.url for s in self._servers if s.failed_at]
+
   def probe(self, log: bool = True) -> dict[str, Optional[str]]:
     """Health-probes every server not leased, in parallel; {url: None if it answers, else why}.
 
@@ -546,22 +628,28 @@ class ServerPool:
     """Probes `targets` (already marked PROBING) without holding the lock; records the results."""
     if not targets:
       return {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(targets))) as workers:
-      reasons = list(workers.map(lambda s: _health(s.client), targets))
-    now = time.monotonic()
+    if len(targets) == 1:
+      reasons = [_health(targets[0].client)]
+    else:
+      with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(targets))) as workers:
+        reasons = list(workers.map(lambda s: _health(s.client), targets))
     with self._cond:
       for s, reason in zip(targets, reasons):
-        s.checked_at = now
-        if reason is None:
-          if s.reason and log:
-            logging.warning("AppWorld server %s answers again; back in the pool", s.client.url)
-          s.state, s.reason = _IDLE, ""
-        else:
-          if s.reason != reason and log:
-            logging.warning("AppWorld server %s is out of the pool: %s", s.client.url, reason)
-          s.state, s.reason = _DOWN, reason
-      self._cond.notify_all()
+        self._record_probe(s, reason, log)
     return {id(s): r for s, r in zip(targets, reasons)}
+
+  def _record_probe(self, server: _Server, reason: Optional[str], log: bool = True) -> None:
+    """A probe's result (under the lock): the server becomes idle if it answered, else DOWN."""
+    server.checked_at = time.monotonic()
+    if reason is None:
+      if server.reason and log:
+        logging.warning("AppWorld server %s answers again; back in the pool", server.client.url)
+      server.state, server.reason = _IDLE, ""
+    else:
+      if server.reason != reason and log:
+        logging.warning("AppWorld server %s is out of the pool: %s", server.client.url, reason)
+      server.state, server.reason = _DOWN, reason
+    self._cond.notify_all()
 
   def lease(self) -> AppWorldClient:
     """An idle, answering server, now leased to the caller (see the class docstring).
@@ -569,30 +657,47 @@ class ServerPool:
     Raises:
       PoolExhausted: no server answers, or none was released within `lease_timeout_s`.
     """
+    return self._lease(frozenset())
+
+  def _lease(self, skip: frozenset[int]) -> AppWorldClient:
+    """`lease()` among the servers whose id() is not in `skip`."""
     deadline = time.monotonic() + self.lease_timeout_s
     probed_all = False
+    passed: set[int] = set()  # servers that answered a probe during this call
     with self._cond:
       while True:
-        idle = [s for s in self._servers if s.state == _IDLE]
+        servers = [s for s in self._servers if id(s) not in skip]
+        idle = [s for s in servers if s.state == _IDLE]
         if idle:
-          server = min(idle, key=lambda s: s.released_at)
-          server.state = _LEASED
-          return server.client
+          server = min(idle, key=lambda s: (s.failed_at, s.released_at))
+          if not server.failed_at or id(server) in passed:
+            server.state = _LEASED
+            return server.client
+          # Its last episode failed: leased only if it answers a health probe now.
+          server.state = _PROBING
+          self._cond.release()
+          try:
+            reason = _health(server.client)
+          finally:
+            self._cond.acquire()
+          self._record_probe(server, reason)
+          if reason is None:
+            passed.add(id(server))
+          continue
         now = time.monotonic()
-        live = [s for s in self._servers if s.state in (_LEASED, _PROBING)]
-        due = [
-          s for s in self._servers if s.state == _DOWN and now - s.checked_at >= self.recheck_s
-        ]
+        live = [s for s in servers if s.state in (_LEASED, _PROBING)]
+        due = [s for s in servers if s.state == _DOWN and now - s.checked_at >= self.recheck_s]
         if not live and not probed_all:  # everything is down: probe all of them once, now
-          due, probed_all = [s for s in self._servers if s.state == _DOWN], True
+          due, probed_all = [s for s in servers if s.state == _DOWN], True
         if due:
           for s in due:
             s.state = _PROBING
           self._cond.release()
           try:
-            self._probe_outside_lock(due)
+            results = self._probe_outside_lock(due)
           finally:
             self._cond.acquire()
+          passed.update(i for i, reason in results.items() if reason is None)
           continue
         if not live:
           raise PoolExhausted(self._all_down_message())
@@ -609,7 +714,9 @@ class ServerPool:
 
     ServerUnreachable / ProtocolError: the server goes DOWN (out of rotation).
     Any other error (a 5xx or 4xx answer, a bug outside the server): it is probed (GET /)
-    and stays in rotation if it answers.
+    and stays in rotation if it answers. With a failure, the server is leased after the
+    others and probed again before it is (see the class docstring); without one, that mark
+    is cleared.
     """
     server = self._by_client.get(id(client))
     if server is None:
@@ -617,16 +724,18 @@ class ServerPool:
     reason = ""
     if failure is not None:
       if isinstance(failure, (ServerUnreachable, ProtocolError)):
-        reason = (str(failure) or type(failure).__name__).splitlines()[0][:300]
+        reason = " ".join((str(failure) or type(failure).__name__).split())[:300]
       else:
         reason = _health(client) or ""
     with self._cond:
       if server.state != _LEASED:
         raise ValueError(f"{client!r} is not leased (state {server.state})")
+      now = time.monotonic()
       self._releases += 1
-      server.released_at = time.monotonic()
+      server.released_at = now
+      server.failed_at = now if failure is not None else 0.0
       if reason:
-        server.state, server.reason, server.checked_at = _DOWN, reason, time.monotonic()
+        server.state, server.reason, server.checked_at = _DOWN, reason, now
         healthy = sum(s.state != _DOWN for s in self._servers)
         logging.warning(
           "AppWorld server %s is out of the pool (%d of %d left): %s",
@@ -639,19 +748,46 @@ class ServerPool:
         server.state = _IDLE
       self._cond.notify_all()
 
+  def run_on_one(self, fn: Callable[[AppWorldClient], T], tries: int = FALLBACK_SERVERS) -> T:
+    """fn(client) on one leased server, the next one when it fails: at most `tries` servers.
+
+    The servers come in lease order: at start-up, the first answering one in URL order. A
+    server whose call raised an `AppWorldError` is released with it (marked, or DOWN).
+
+    Raises:
+      the first server's error (of its type, naming the other servers tried) when every
+      server tried failed; PoolExhausted when no server could be leased at all.
+    """
+    errors: list[tuple[str, AppWorldError]] = []
+    tried: set[int] = set()
+    while len(tried) < min(tries, len(self._servers)):
+      try:
+        client = self._lease(frozenset(tried))
+      except PoolExhausted:
+        if not errors:
+          raise
+        break
+      tried.add(id(self._by_client[id(client)]))
+      failure = None
+      try:
+        return fn(client)
+      except AppWorldError as e:
+        failure = e
+        errors.append((client.url, e))
+        logging.warning("%s; trying another server", e)
+      finally:
+        self.release(client, failure)
+    first = errors[0][1]
+    if len(errors) == 1:
+      raise first
+    others = ", ".join(url for url, _ in errors[1:])
+    raise type(first)(f"{first} (the same call failed on {others} too)") from None
+
   def api_docs(self) -> dict[str, dict[str, dict]]:
-    """GET /api_docs from one answering server, read once per pool and cached."""
+    """GET /api_docs from the first server that answers it, read once per pool and cached."""
     with self._docs_lock:
       if self._docs is None:
-        client = self.lease()
-        failure = None
-        try:
-          self._docs = client.api_docs()
-        except AppWorldError as e:
-          failure = e
-          raise
-        finally:
-          self.release(client, failure)
+        self._docs = self.run_on_one(lambda client: client.api_docs())
       return self._docs
 
   def shutdown(self) -> None:
@@ -659,10 +795,10 @@ class ServerPool:
       s.client.shutdown()
 
   def _all_down_message(self) -> str:
-    lines = url_listing([(s.client.url, s.reason) for s in self._servers])
+    listing = url_listing([(s.client.url, s.reason) for s in self._servers])
     return (
-      f"no AppWorld server of the pool answers ({len(self._servers)} tried):\n{lines}\n"
-      f"Start servers with: {START_COMMAND}"
+      f"no AppWorld server of the pool answers ({len(self._servers)} tried: {listing}); start "
+      f"servers with: {START_COMMAND}"
     )
 
   def _starved_message(self, waited: bool) -> str:
@@ -684,11 +820,15 @@ class ServerPool:
 
 
 def url_listing(pairs: Sequence[tuple[str, Optional[str]]], limit: int = 8) -> str:
-  """ "  url: why" lines, the first `limit` of them and a count of the rest."""
-  lines = [f"  {url}: {why}" for url, why in pairs[:limit]]
+  """One line: "why; why; ..." for the first `limit` (url, why) pairs (the url is prefixed
+  when `why` does not name it), then a count of the rest."""
+  items = [
+    why if why and url in why else f"{url}: {why or 'no reason recorded'}"
+    for url, why in pairs[:limit]
+  ]
   if len(pairs) > limit:
-    lines.append(f"  ... and {len(pairs) - limit} more")
-  return "\n".join(lines)
+    items.append(f"... and {len(pairs) - limit} more")
+  return "; ".join(items)
 
 
 def parse_urls(text: str) -> list[str]:
