@@ -71,7 +71,13 @@ def training_config() -> ml_collections.ConfigDict:
   c.learner = learner_section(kl_coef=0.0)  # from scratch: no reference model to stay near
   c.learner.algorithm = "seeupo"
 
-  c.optimizer = options(learning_rate=1e-3, weight_decay=0.0, max_grad_norm=1.0, warmup_steps=0)
+  c.optimizer = options(
+    learning_rate=1e-3,
+    weight_decay=0.0,
+    max_grad_norm=1.0,
+    warmup_steps=0,
+    master_weights=True,  # bf16 params: float32 masters + moments (False: updates round away)
+  )
 
   c.eval = options(every=25, num_tasks=64, k=4, greedy=False, tasks_per_call=64)
   c.checkpoint = options(every=25, keep=3)

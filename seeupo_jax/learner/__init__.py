@@ -23,6 +23,12 @@ from seeupo_jax.learner.config import (
   NORMALISATIONS,
   LearnerConfig,
 )
+from seeupo_jax.learner.precision import (
+  MasterWeightsState,
+  master_params,
+  rounded_away_share,
+  with_master_weights,
+)
 from seeupo_jax.learner.qwen_fns import init_qwen_critic, qwen_logprob_fn, qwen_value_fn
 from seeupo_jax.learner.state import (
   TrainState,

@@ -11,6 +11,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from seeupo_jax import sharding as sharding_lib
+from seeupo_jax.learner import precision
 
 Params = Any
 
@@ -20,8 +21,9 @@ class TrainState:
   """The learner's state (a pytree; jit donates it).
 
   Attributes:
-    params: the policy's params.
-    opt_state: the optax state of `params`.
+    params: the policy's params, in the dtype the model computes with (the sampler's too).
+    opt_state: the optax state of `params`; a `precision.MasterWeightsState` (float32 master
+      weights, then the optimizer's own state) when the params are bf16 (`init_state`).
     ref_params: the frozen reference policy of the KL penalty, or None.
     critic_params: PPO's critic (a separate model, see `qwen_fns.qwen_value_fn`), or None.
     critic_opt_state: the optax state of `critic_params`, or None.
@@ -52,14 +54,23 @@ def _replicated_like(tree) -> Any:
   return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
-def opt_state_shardings(optimizer: optax.GradientTransformation, params: Params) -> Any:
-  """Shardings of `optimizer.init(params)`: each params-like leaf (Adam's moments, ...)
-  on its parameter's sharding, everything else (counts, hyper-parameters) replicated."""
+def opt_state_shardings(
+  optimizer: optax.GradientTransformation, params: Params, *, master_weights: bool = True
+) -> Any:
+  """Shardings of the optimizer state `init_state(params, optimizer)` builds: each params-like
+  leaf (master weights, Adam's moments, ...) on its parameter's sharding, everything else
+  (counts, hyper-parameters) replicated. `params`: arrays or ShapeDtypeStructs with shardings."""
+  optimizer = precision.resolve(optimizer, params, master_weights)
   shapes = jax.eval_shape(optimizer.init, params)
   param_shardings = jax.tree.map(lambda p: p.sharding, params)
   replicated = _replicated_like(params)
   return optax.tree_map_params(
-    optimizer, lambda _, s: s, shapes, param_shardings, transform_non_params=lambda _: replicated
+    optimizer,
+    lambda x, s: None if x is None else s,  # None: a float32 leaf that needs no master copy
+    shapes,
+    param_shardings,
+    transform_non_params=lambda _: replicated,
+    is_leaf=lambda x: x is None,
   )
 
 
@@ -77,7 +88,8 @@ def _init_opt_state(optimizer: optax.GradientTransformation, params: Params) -> 
   """optimizer.init(params), created directly on the params' shardings (never gathered)."""
   if not _placed(params):
     return optimizer.init(params)
-  return jax.jit(optimizer.init, out_shardings=opt_state_shardings(optimizer, params))(params)
+  shardings = opt_state_shardings(optimizer, params, master_weights=False)
+  return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
 
 def init_state(
@@ -87,6 +99,7 @@ def init_state(
   *,
   critic_params: Optional[Params] = None,
   critic_optimizer: Optional[optax.GradientTransformation] = None,
+  master_weights: bool = True,
 ) -> TrainState:
   """The state before the first update.
 
@@ -100,6 +113,12 @@ def init_state(
       the penalty (then `LearnerConfig.kl_coef` must be 0).
     critic_params: PPO's critic params (`algorithm="ppo"` only).
     critic_optimizer: the critic's optimizer (required with critic_params).
+    master_weights: when the params (or the critic's) have bf16 (any sub-float32 floating)
+      leaves, wrap the optimizer in `precision.with_master_weights`: the optimizer state keeps
+      float32 masters and float32 moments, `params` stays the bf16 working copy (the masters
+      rounded). Without masters AdamW's small steps round away (logged once as a warning with
+      the share of weights lost). No effect on float32 params or an optimizer already wrapped.
+      `make_update` follows the state: pass it the unwrapped optimizer.
 
   Returns:
     A `TrainState` with step 0.
@@ -108,6 +127,11 @@ def init_state(
     raise ValueError(
       "init_state: pass critic_params and critic_optimizer together (PPO), or neither"
     )
+  optimizer = precision.resolve(optimizer, params, master_weights)
+  precision.warn_if_updates_round_away(params, optimizer)
+  if critic_params is not None:
+    critic_optimizer = precision.resolve(critic_optimizer, critic_params, master_weights)
+    precision.warn_if_updates_round_away(critic_params, critic_optimizer)
   if ref_params is not None:
     # A separate copy: the update donates the state, and params and ref_params must not alias.
     ref_params = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, ref_params)

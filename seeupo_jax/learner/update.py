@@ -41,6 +41,7 @@ import optax
 from seeupo_jax import losses
 from seeupo_jax.learner import batch as batch_lib
 from seeupo_jax.learner import objectives
+from seeupo_jax.learner import precision
 from seeupo_jax.learner.batch import Batch
 from seeupo_jax.learner.config import LearnerConfig
 from seeupo_jax.learner.state import TrainState
@@ -215,16 +216,22 @@ def _micro_grads(fns: UpdateFns, state: TrainState, batch: Batch, inputs, denomi
 
 
 def _apply_gradients(fns: UpdateFns, state: TrainState, grads) -> TrainState:
-  """One optimizer step of the policy (and of the critic, for PPO)."""
+  """One optimizer step of the policy (and of the critic, for PPO).
+
+  The optimizer follows the state: with float32 master weights in it (`init_state` with bf16
+  params) the step runs on the masters and the params become the masters rounded.
+  """
   policy_grads, critic_grads = grads
-  updates, opt_state = fns.optimizer.update(policy_grads, state.opt_state, state.params)
+  optimizer = precision.for_state(fns.optimizer, state.opt_state)
+  updates, opt_state = optimizer.update(policy_grads, state.opt_state, state.params)
   state = state.replace(
     params=optax.apply_updates(state.params, updates),
     opt_state=opt_state,
     optimizer_steps=state.optimizer_steps + 1,
   )
   if state.critic_params is not None:
-    updates, critic_opt_state = fns.critic_optimizer.update(
+    critic_optimizer = precision.for_state(fns.critic_optimizer, state.critic_opt_state)
+    updates, critic_opt_state = critic_optimizer.update(
       critic_grads, state.critic_opt_state, state.critic_params
     )
     state = state.replace(
@@ -269,7 +276,12 @@ def _minibatch_step(fns: UpdateFns, batch: Batch, inputs, state: TrainState, row
     accumulate, (grads_zero, jnp.zeros((), jnp.float32), metrics_zero), rows
   )
   grad_norm = optax.global_norm(grads)  # float32, from the float32 sums
-  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, (state.params, state.critic_params))
+  # To the dtype of what the optimizer steps: the float32 masters where kept, else the params.
+  stepped = (
+    precision.stepped_params(state.params, state.opt_state),
+    precision.stepped_params(state.critic_params, state.critic_opt_state),
+  )
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, stepped)
   has_tokens = denominators[0] > 0
   finite = jnp.isfinite(total) & jnp.isfinite(grad_norm) & (metrics["nonfinite_logp"] == 0)
   apply = has_tokens & finite
@@ -582,7 +594,8 @@ def make_update(
       tokens[i, :j]) (0 where j predicts nothing), differentiable in params. For Qwen
       models use `qwen_logprob_fn(model_config, temperature=...)`.
     optimizer: any optax transformation (e.g. `default_optimizer()`: AdamW lr 1e-6,
-      weight decay 0.01, grad-norm clip 1.0).
+      weight decay 0.01, grad-norm clip 1.0), the one given to `init_state`. Where the state
+      holds float32 master weights (`init_state` with bf16 params) it steps those.
     config: the `LearnerConfig`.
     value_fn: PPO only: (critic_params, Batch) -> float32[N, L] values.
     critic_optimizer: PPO only: the critic's optax transformation.
@@ -628,7 +641,11 @@ def default_optimizer(
   b1: float = 0.9,
   b2: float = 0.999,
 ) -> optax.GradientTransformation:
-  """The authors' optimizer: global-norm clip, then AdamW (constant learning rate)."""
+  """The authors' optimizer: global-norm clip, then AdamW (constant learning rate).
+
+  With bf16 params `init_state` wraps it in float32 master weights
+  (`precision.with_master_weights`); at lr 1e-6 a bf16 weight could not move otherwise.
+  """
   return optax.chain(
     optax.clip_by_global_norm(max_grad_norm),
     optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay),

@@ -263,6 +263,7 @@ def _build(config: ml_collections.ConfigDict) -> Program:
       ref_params=ref,
       critic_params=critic,
       critic_optimizer=critic_optimizer,
+      master_weights=config.optimizer.master_weights,
     )
 
   return Program(

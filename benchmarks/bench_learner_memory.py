@@ -1,0 +1,183 @@
+"""Per-device memory of one learner update, with and without float32 master weights.
+
+An ahead-of-time compile of the SeeUPO update (`jax.jit(update).lower(...).compile()`) on
+abstract arrays (ShapeDtypeStructs with their shardings: nothing is allocated), read with
+`memory_analysis()`, for each precision scheme:
+
+  bf16               params bf16, optax's moments bf16 (no master weights: updates round away)
+  bf16+masters       params bf16 (the working copy: model, sampler), float32 masters and float32
+                     moments in the optimizer state (`learner.with_master_weights`; the default)
+  f32params          params float32, computed in bf16 (the model casts at each use), ref float32
+  f32params+bf16ref  the same with a bf16 reference copy for the KL term
+
+The KL reference params are in the state (the authors' kl_coef 0.002). The mesh is fsdp over
+all devices. The layers are a `lax.scan`, so compile time does not grow with depth.
+
+  .venv/bin/python benchmarks/bench_learner_memory.py                     # Qwen3-14B, 8 devices
+  .venv/bin/python benchmarks/bench_learner_memory.py --layers 4 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+_DEVICES = sys.argv[sys.argv.index("--devices") + 1] if "--devices" in sys.argv else "8"
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_DEVICES}"
+)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from seeupo_jax import learner, sharding  # noqa: E402
+from seeupo_jax.learner import precision  # noqa: E402
+from seeupo_jax.models import config as config_lib  # noqa: E402
+from seeupo_jax.models import qwen  # noqa: E402
+
+SCHEMES = {  # name: (param dtype, master weights, reference dtype)
+  "bf16": ("bfloat16", False, "bfloat16"),
+  "bf16+masters": ("bfloat16", True, "bfloat16"),
+  "f32params": ("float32", False, "float32"),
+  "f32params+bf16ref": ("float32", False, "bfloat16"),
+}
+
+
+def _abstract(tree, shardings):
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+  )
+
+
+def abstract_state(model_config, optimizer, mesh, master_weights: bool, ref_dtype: str):
+  """The `TrainState` `init_state(params, optimizer, ref_params=...)` builds, as
+  ShapeDtypeStructs on the params' shardings."""
+  shapes = qwen.params_shape(model_config)
+  params = _abstract(shapes, sharding.param_shardings(shapes, mesh))
+  optimizer = precision.resolve(optimizer, params, master_weights)
+  opt_state = _abstract(
+    jax.eval_shape(optimizer.init, params),
+    learner.opt_state_shardings(optimizer, params, master_weights=False),
+  )
+  ref = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(ref_dtype), sharding=x.sharding), params
+  )
+  counter = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+  return learner.TrainState(params, opt_state, ref, None, None, counter, counter, counter)
+
+
+def abstract_batch(rows: int, length: int, mesh) -> learner.Batch:
+  shapes = learner.Batch(
+    tokens=jax.ShapeDtypeStruct((rows, length), jnp.int32),
+    token_valid=jax.ShapeDtypeStruct((rows, length), jnp.bool_),
+    turn_ids=jax.ShapeDtypeStruct((rows, length), jnp.int32),
+    sample_logp=jax.ShapeDtypeStruct((rows, length), jnp.float32),
+    rewards=jax.ShapeDtypeStruct((rows,), jnp.float32),
+    group_ids=jax.ShapeDtypeStruct((rows,), jnp.int32),
+    row_valid=jax.ShapeDtypeStruct((rows,), jnp.bool_),
+  )
+  return _abstract(shapes, learner.batch_shardings(shapes, mesh))
+
+
+def state_bytes(state) -> dict[str, float]:
+  """Bytes per device of each part of the state (the shard each device holds)."""
+
+  def per_device(tree):
+    total = 0
+    for x in jax.tree.leaves(tree):
+      shard = x.sharding.shard_shape(x.shape)
+      size = 1
+      for d in shard:
+        size *= d
+      total += size * x.dtype.itemsize
+    return total
+
+  out = {"params": per_device(state.params), "ref_params": per_device(state.ref_params)}
+  if isinstance(state.opt_state, learner.MasterWeightsState):
+    out["masters"] = per_device(state.opt_state.params)
+    out["optimizer"] = per_device(state.opt_state.inner_state)
+  else:
+    out["optimizer"] = per_device(state.opt_state)
+  return out
+
+
+def measure(args, scheme: str) -> dict:
+  param_dtype, master_weights, ref_dtype = SCHEMES[scheme]
+  overrides = dict(dtype="bfloat16", param_dtype=param_dtype, remat=args.remat)
+  if args.layers:
+    overrides["num_layers"] = args.layers
+  model_config = config_lib.get_preset(args.preset, **overrides)
+  mesh = sharding.make_mesh(data=1, fsdp=-1, tensor=1)
+  optimizer = learner.default_optimizer()
+  config = learner.LearnerConfig(algorithm="seeupo", num_turns=args.turns)
+  step = learner.make_update(learner.qwen_logprob_fn(model_config), optimizer, config, jit=False)
+  state = abstract_state(model_config, optimizer, mesh, master_weights, ref_dtype)
+  batch = abstract_batch(args.rows, args.length, mesh)
+  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+  out_shardings = (jax.tree.map(lambda x: x.sharding, state), None)
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh):
+    lowered = jax.jit(step, donate_argnums=(0,), out_shardings=out_shardings).lower(
+      state, batch, key
+    )
+    compiled = lowered.compile()
+  seconds = time.perf_counter() - t0
+  ma = compiled.memory_analysis()
+  gib = 2.0**30
+  result = {
+    "scheme": scheme,
+    "preset": args.preset,
+    "layers": model_config.num_layers,
+    "devices": jax.device_count(),
+    "rows": args.rows,
+    "length": args.length,
+    "remat": args.remat,
+    "compile_s": round(seconds, 1),
+    "argument_GiB": ma.argument_size_in_bytes / gib,
+    "output_GiB": ma.output_size_in_bytes / gib,
+    "alias_GiB": ma.alias_size_in_bytes / gib,
+    "temp_GiB": ma.temp_size_in_bytes / gib,
+    # Live at once: the (donated) inputs, the outputs not aliased to them, the temporaries.
+    "peak_GiB": (
+      ma.argument_size_in_bytes
+      + ma.output_size_in_bytes
+      - ma.alias_size_in_bytes
+      + ma.temp_size_in_bytes
+    )
+    / gib,
+  }
+  result.update({f"state/{k}_GiB": v / gib for k, v in state_bytes(state).items()})
+  return result
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--preset", default="qwen3-14b")
+  parser.add_argument("--layers", type=int, default=0, help="override num_layers (0: preset's)")
+  parser.add_argument("--devices", default="8", help="simulated CPU devices (fsdp over all)")
+  parser.add_argument("--rows", type=int, default=8)
+  parser.add_argument("--length", type=int, default=2048)
+  parser.add_argument("--turns", type=int, default=10)
+  parser.add_argument("--remat", default="full")
+  parser.add_argument("--schemes", default=",".join(SCHEMES))
+  parser.add_argument("--json", default="")
+  args = parser.parse_args()
+  results = []
+  for scheme in args.schemes.split(","):
+    result = measure(args, scheme)
+    results.append(result)
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
+    sys.stdout.flush()
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
