@@ -24,7 +24,6 @@ the same iterations as one that never stopped. Evaluation draws its keys from
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import time
@@ -38,6 +37,7 @@ import numpy as np
 import optax
 
 from seeupo_jax import chat_tokens
+from seeupo_jax import decode_layout
 from seeupo_jax import envs
 from seeupo_jax import learner
 from seeupo_jax import rollout
@@ -87,6 +87,7 @@ class Program:
   learner_config: learner.LearnerConfig
   roller: rollout.Roller
   eval_roller: rollout.Roller
+  decode: decode_layout.DecodeLayout  # the rollers' params: tensor-parallel, compute dtype
   env_workers: rollout.EnvWorkers  # shared by both rollers; `close` shuts them down
   update: Any
   init_state: Any  # () -> TrainState
@@ -226,12 +227,14 @@ def _build(config: ml_collections.ConfigDict) -> Program:
   )
 
   # Worker processes start last, once everything else in the config has checked out.
-  cache_sharding = functools.partial(sharding_lib.cache_shardings, mesh=mesh)
+  # The sampler decodes with its own copy of the params (tensor-parallel, compute dtype).
+  decode = decode_layout.DecodeLayout(model_config, mesh)
+  cache_sharding = decode.cache_sharding
   env_workers = rollout.make_workers(spec, rollout_config.worker_config(spec.isolation))
   roller = rollout.Roller(
     spec,
     chat,
-    model_config,
+    decode.model_config,
     sampling_config,
     rollout_config,
     cache_sharding=cache_sharding,
@@ -240,7 +243,7 @@ def _build(config: ml_collections.ConfigDict) -> Program:
   eval_roller = rollout.Roller(
     spec,
     chat,
-    model_config,
+    decode.model_config,
     eval_sampling,
     rollout_config,
     cache_sharding=cache_sharding,
@@ -275,6 +278,7 @@ def _build(config: ml_collections.ConfigDict) -> Program:
     learner_config=learner_config,
     roller=roller,
     eval_roller=eval_roller,
+    decode=decode,
     env_workers=env_workers,
     update=update,
     init_state=init_state,
@@ -438,7 +442,10 @@ def _train(config, workdir: str, program: Program) -> dict[str, float]:
         t0 = time.perf_counter()
         rng, k_rollout, k_update = jax.random.split(rng, 3)
         tasks = stream.take(config.rollout.tasks_per_iteration)
-        result = program.roller.run(state.params, tasks, config.rollout.samples_per_task, k_rollout)
+        with jax.set_mesh(program.decode.mesh):  # the sampler on the decode layout
+          result = program.roller.run(
+            program.decode(state.params), tasks, config.rollout.samples_per_task, k_rollout
+          )
         t1 = time.perf_counter()
         batch = rollout.collate(
           result.trajectories,
@@ -504,14 +511,15 @@ def _progress_bar(config, start: int):
 def _evaluate(program: Program, state, eval_ids, config, iteration: int, k: int) -> dict:
   k_eval = 1 if config.eval.greedy else k
   t0 = time.perf_counter()
-  scores = evaluation.evaluate(
-    program.eval_roller,
-    state.params,
-    eval_ids,
-    k_eval,
-    _eval_key(config.seed, iteration),
-    config.eval.tasks_per_call,
-  )
+  with jax.set_mesh(program.decode.mesh):  # the sampler on the decode layout
+    scores = evaluation.evaluate(
+      program.eval_roller,
+      program.decode(state.params),
+      eval_ids,
+      k_eval,
+      _eval_key(config.seed, iteration),
+      config.eval.tasks_per_call,
+    )
   out = {f"eval/{name}": value for name, value in scores.items()}
   out["time/eval"] = time.perf_counter() - t0
   row = {"iteration": iteration, **{n: v for n, v in scores.items()}}

@@ -1,0 +1,286 @@
+"""The decode layout: the sampler's copy of the learner's params, tensor-parallel in compute dtype.
+
+The learner keeps its params FSDP-sharded (`sharding.make_mesh(fsdp=-1)` by default) and, with
+`master_weights`, in float32. Decoding with them as they are makes every generated token
+all-gather every layer's weights inside the sampler's layer scan: the whole model crosses the
+interconnect per decode step. A `DecodeLayout` instead gives the sampler, once per set of
+params, a copy on a mesh of the same devices laid out for decoding:
+
+    mesh        learner: ("data", "fsdp", "tensor") = (d, f, t)
+    decode mesh          ("data", "fsdp", "tensor") = (d', 1, n / d'), by default d' = d
+    params      Megatron tensor parallelism over "tensor" (`sharding.PARAM_RULES` with fsdp = 1:
+                q/k/v/gate/up split on their output features, o/down on their input features,
+                embedding and lm_head on the vocabulary), replicated over "data"; the attention
+                weights stay replicated when "tensor" does not divide the kv heads
+    dtype       the model's compute dtype (`ModelConfig.dtype`)
+    KV cache    rows over "data", kv heads over "tensor" (`sharding.cache_shardings` on the
+                decode mesh; heads replicated when they do not divide)
+
+Each decode step then moves only activations between devices (two all-reduces of [B, D] per
+layer, the embedding lookup's and the logits'), and each device reads 1 / tensor of the weights.
+
+    layout = decode_layout.DecodeLayout(model_config, mesh)        # builds the jitted reshard
+    sample = sampling.make_continuer(layout.model_config, sampling_config,
+                                     cache_sharding=layout.cache_sharding)
+    with jax.set_mesh(layout.mesh):                                # the model's activation specs
+      out, context = sample(layout(state.params), context, ...)
+
+`layout(params)` runs one jitted function with fixed `out_shardings`. From the second call on it
+donates the previous call's output, so XLA writes the new copy into the old copy's buffers (the
+compiled reshard aliases every output to a donated input: no second copy is ever allocated);
+the previous output is deleted then. Called again with the very same params (the same array
+objects, e.g. evaluation after an update and the next iteration's rollout) it returns the copy
+it made, without a reshard. The learner's params are never modified.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import weakref
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from seeupo_jax import sharding
+from seeupo_jax.models import qwen
+from seeupo_jax.models.config import ModelConfig
+
+Params = Any
+
+# Parameters split over attention heads: replicated when "tensor" does not divide the kv heads.
+_ATTENTION = re.compile(r"attn/(q_proj|k_proj|v_proj|o_proj)/")
+
+
+def decode_mesh(mesh: Mesh, tensor: Optional[int] = None) -> Mesh:
+  """The sampler's ("data", "fsdp", "tensor") mesh over the devices of `mesh`, with fsdp = 1.
+
+  Args:
+    mesh: the learner's mesh (`sharding.make_mesh`).
+    tensor: the tensor-parallel size; None = every device of one `mesh` data slice
+      (fsdp x tensor of `mesh`), so data keeps its size. Must divide the number of devices;
+      data becomes devices / tensor.
+
+  Returns:
+    A `Mesh` of the same devices in the same order, shape (devices / tensor, 1, tensor).
+  """
+  devices = np.asarray(mesh.devices)
+  n = devices.size
+  if tensor is None:
+    tensor = n // mesh.shape["data"]
+  if not isinstance(tensor, int) or tensor < 1 or n % tensor:
+    raise ValueError(f"decode tensor size must be a positive divisor of {n} devices, got {tensor}")
+  return sharding.make_mesh(data=n // tensor, fsdp=1, tensor=tensor, devices=list(devices.flat))
+
+
+def param_shardings(params: Params, mesh: Mesh, model_config: ModelConfig) -> Params:
+  """NamedSharding per leaf of `params` in the decode layout on the decode `mesh`.
+
+  `sharding.param_shardings` on a mesh with fsdp = 1 (tensor parallelism, replicated over
+  "data"), except that the attention projections are replicated when mesh "tensor" does not
+  divide `model_config.num_kv_heads` (splitting inside a head would need collectives in the
+  grouped q/k/v matmul).
+  """
+  if mesh.shape["fsdp"] != 1:
+    raise ValueError(f"the decode mesh has fsdp = 1, got {dict(mesh.shape)}")
+  heads_split = model_config.num_kv_heads % mesh.shape["tensor"] == 0
+
+  def one(path, leaf):
+    name = sharding.path_name(path)
+    if not heads_split and _ATTENTION.search(name):
+      return NamedSharding(mesh, P())
+    return NamedSharding(
+      mesh, sharding.fit_spec(_without_fsdp(sharding.param_spec(name)), leaf.shape, mesh)
+    )
+
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def _without_fsdp(spec: P) -> P:
+  """`spec` with the "fsdp" axis left out (size 1 on the decode mesh; the specs read cleaner)."""
+
+  def drop(axis):
+    if isinstance(axis, tuple):
+      kept = tuple(a for a in axis if a != "fsdp")
+      return kept[0] if len(kept) == 1 else (kept or None)
+    return None if axis == "fsdp" else axis
+
+  return P(*(drop(axis) for axis in spec))
+
+
+def _split_over_data(spec: P, shape, mesh: Mesh) -> P:
+  """`spec` with its "tensor" entry split further over "data": ("tensor", "data").
+
+  The decode layout replicates over "data"; resharding the learner's FSDP shards straight into
+  it made XLA's SPMD partitioner give up ("involuntary full rematerialization": it gathered
+  every whole tensor on every device). Going through this layout first, every device of a
+  data x tensor group holds a distinct shard (an all-to-all from the FSDP shards), and the
+  decode layout is one all-gather over "data" away.
+  """
+  if mesh.shape["data"] == 1:
+    return spec
+  entries = [("tensor", "data") if axis == "tensor" else axis for axis in spec]
+  return sharding.fit_spec(P(*entries), shape, mesh)
+
+
+def _move(x: jax.Array, source, hop, target, *, dtype) -> jax.Array:
+  """One array: cast where it lies (`source`), then through `hop` to `target`.
+
+  Pinning the cast to the input's layout makes XLA convert each shard before it moves it, so
+  the collectives carry the compute dtype (without the pin the all-to-alls carried float32).
+  """
+  x = jax.lax.with_sharding_constraint(x.astype(dtype), source)
+  x = jax.lax.with_sharding_constraint(x, hop)
+  return jax.lax.with_sharding_constraint(x, target)
+
+
+def _move_in_order(xs, sources, hops, targets, *, dtype, after=None) -> list[jax.Array]:
+  """`_move` of each array of the lists, each one after the previous one's result.
+
+  XLA:CPU runs independent collectives concurrently on a shared thread pool; on 8 simulated
+  devices, all-to-alls of independent leaves taken in different orders by different devices
+  deadlocked (a rendezvous timeout: "only 5 of 8 threads arrived"). Chaining the moves through
+  `optimization_barrier` gives every device one order. (They are bandwidth-bound: on a GPU
+  they would queue on one stream anyway.)
+
+  Args:
+    xs, sources, hops, targets: lists of arrays and their three shardings.
+    dtype: the compute dtype.
+    after: an array (or pytree) the first move waits for, or None.
+  """
+  out = []
+  for x, s, h, t in zip(xs, sources, hops, targets):
+    if after is not None:
+      x, _ = jax.lax.optimization_barrier((x, after))
+    after = _move(x, s, h, t, dtype=dtype)
+    out.append(after)
+  return out
+
+
+def _reshard(params: Params, previous: Optional[Params], *, dtype, plan) -> Params:
+  """The decode copy of `params`, written into `previous`'s buffers when given.
+
+  The stacked layer params move one layer at a time (a `fori_loop` of dynamic slices and
+  in-place updates of the output), so the reshard's transient buffers hold one layer, not the
+  whole model; then the embedding, final norm and lm_head move whole. One array moves at a
+  time (`_move_in_order`).
+
+  Args:
+    params: the learner's params (learner layout, any float dtype).
+    previous: the previous decode copy (donated by the caller) or None (allocate).
+    dtype: the compute dtype.
+    plan: (source, hop, target) shardings, three params-shaped trees.
+  """
+  specs = plan
+  if jax.tree.structure(params) != jax.tree.structure(specs[2]):
+    raise ValueError(
+      "params must have the tree of qwen.init_params(model_config): got "
+      f"{jax.tree.structure(params)}, expected {jax.tree.structure(specs[2])}"
+    )
+  layers, layers_def = jax.tree.flatten(params["layers"])
+  layer_specs = [jax.tree.leaves(tree["layers"]) for tree in specs]
+  if previous is None:
+    buffers = [
+      jax.lax.with_sharding_constraint(jnp.zeros(x.shape, dtype), t)
+      for x, t in zip(layers, layer_specs[2])
+    ]
+  else:
+    buffers = jax.tree.leaves(previous["layers"])
+
+  def reshard_layer(i, buffers):
+    """Moves layer i of every stacked leaf into its slot of the output."""
+    slices = [jax.lax.dynamic_slice_in_dim(x, i, 1, axis=0) for x in layers]
+    moved = _move_in_order(slices, *layer_specs, dtype=dtype)
+    return [
+      jax.lax.dynamic_update_slice_in_dim(buffer, layer, i, axis=0)
+      for buffer, layer in zip(buffers, moved)
+    ]
+
+  num_layers = layers[0].shape[0]
+  buffers = jax.lax.fori_loop(0, num_layers, reshard_layer, buffers)
+  rest = {k: v for k, v in params.items() if k != "layers"}
+  rest_leaves, rest_def = jax.tree.flatten(rest)
+  rest_specs = [jax.tree.leaves({k: tree[k] for k in rest}) for tree in specs]
+  moved = _move_in_order(rest_leaves, *rest_specs, dtype=dtype, after=buffers)
+  out = jax.tree.unflatten(rest_def, moved)
+  out["layers"] = jax.tree.unflatten(layers_def, buffers)
+  return out
+
+
+class DecodeLayout:
+  """Builds, once, the reshard of the learner's params into the decode layout; then runs it.
+
+  Args:
+    model_config: the policy's `ModelConfig`; the copy is in `model_config.dtype`.
+    mesh: the learner's mesh; the decode mesh has the same devices (`decode_mesh`).
+    tensor: the decode tensor-parallel size (None: fsdp x tensor of `mesh`).
+    donate: write each new copy into the previous copy's buffers (True), or allocate a new one.
+
+  Attributes:
+    mesh: the decode mesh: run the sampler under `jax.set_mesh(layout.mesh)`.
+    model_config: `model_config` with `param_dtype = dtype` (the copy's numerics; the sampler
+      gives the same results with either config, the params are cast to dtype before use).
+    shardings: the decode params' `NamedSharding`s (a params-shaped tree).
+  """
+
+  def __init__(
+    self,
+    model_config: ModelConfig,
+    mesh: Mesh,
+    *,
+    tensor: Optional[int] = None,
+    donate: bool = True,
+  ):
+    self.mesh = decode_mesh(mesh, tensor)
+    self.model_config = model_config.replace(param_dtype=model_config.dtype)
+    self.shardings = param_shardings(
+      qwen.params_shape(self.model_config), self.mesh, self.model_config
+    )
+    # The learner's layout (`sharding.param_shardings` on `mesh`), where the cast happens.
+    shapes = qwen.params_shape(model_config)
+    source = sharding.param_shardings(shapes, mesh)
+    hops = jax.tree.map(
+      lambda x, s: NamedSharding(self.mesh, _split_over_data(s.spec, x.shape, self.mesh)),
+      shapes,
+      self.shardings,
+    )
+    reshard = functools.partial(
+      _reshard, dtype=jnp.dtype(model_config.dtype), plan=(source, hops, self.shardings)
+    )
+    self.reshard = jax.jit(functools.partial(reshard, previous=None), out_shardings=self.shardings)
+    # keep_unused: jit would drop the donated leaves the function does not read (all but the
+    # stacked layers'), and their donation with them.
+    self.reshard_into = jax.jit(
+      reshard, out_shardings=self.shardings, donate_argnums=1, keep_unused=True
+    )
+    self.donate = donate
+    self._source: list[weakref.ref] = []
+    self._params: Optional[Params] = None
+
+  def cache_sharding(self, cache: qwen.KVCache) -> qwen.KVCache:
+    """The KV cache's shardings on the decode mesh (for `sampling.make_continuer`)."""
+    return sharding.cache_shardings(cache, self.mesh)
+
+  def __call__(self, params: Params) -> Params:
+    """The decode-layout copy of `params` (learner layout, any float dtype).
+
+    The copy returned by the previous call is deleted (its buffers hold the new copy) unless
+    `params` are the same arrays as then, in which case that copy is returned again.
+    """
+    leaves = jax.tree.leaves(params)
+    if (
+      self._params is not None
+      and len(leaves) == len(self._source)
+      and all(ref() is leaf for ref, leaf in zip(self._source, leaves))
+    ):
+      return self._params
+    if self.donate and self._params is not None:
+      out = self.reshard_into(params, self._params)
+    else:
+      out = self.reshard(params)
+    self._source = [weakref.ref(leaf) for leaf in leaves]
+    self._params = out
+    return out

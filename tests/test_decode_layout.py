@@ -1,0 +1,268 @@
+"""The decode layout (tensor-parallel, compute-dtype params for the sampler) on 8 CPU devices.
+
+Also the HLO reader that counts the collective bytes of a compiled program.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import absltest, parameterized
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from seeupo_jax import decode_layout
+from seeupo_jax import hlo_collectives
+from seeupo_jax import sampling
+from seeupo_jax import sharding
+from seeupo_jax.models import config as config_lib
+from seeupo_jax.models import qwen
+
+# A loop of 3 known trips holding an all-gather and a tuple all-reduce, inside a loop with no
+# known trip count (one decode step = one iteration); one op outside both.
+_HLO = """HloModule jit_f, is_scheduled=true, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%add_promoted (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%layer_body (p: (s32[], f32[16,4])) -> (s32[], f32[16,4]) {
+  %p = (s32[], f32[16,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %w = f32[16,4]{1,0} get-tuple-element(%p), index=1
+  %w.shard = f32[2,4]{1,0} slice(%w), slice={[0:2], [0:4]}
+  %all-gather.1 = f32[16,4]{1,0} all-gather(%w.shard), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+  %h = bf16[4,8]{1,0} parameter(1)
+  %all-reduce.1 = (f32[16,4]{1,0}, bf16[4,8]{1,0}) all-reduce(%all-gather.1, %h), channel_id=2, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, to_apply=%add
+  ROOT %t = (s32[], f32[16,4]{1,0}) tuple(%i, %w)
+}
+
+%layer_cond (p: (s32[], f32[16,4])) -> pred[] {
+  %p = (s32[], f32[16,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%step_body (q: (s32[], f32[16,4], bf16[8])) -> (s32[], f32[16,4], bf16[8]) {
+  %q = (s32[], f32[16,4]{1,0}, bf16[8]{0}) parameter(0)
+  %v = bf16[8]{0} get-tuple-element(%q), index=2
+  %all-reduce.2 = f32[8]{0} all-reduce(%v), channel_id=3, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add_promoted
+  %tuple.1 = (s32[], f32[16,4]{1,0}) tuple(%i, %w)
+  %while.1 = (s32[], f32[16,4]{1,0}) while(%tuple.1), condition=%layer_cond, body=%layer_body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %r = (s32[], f32[16,4]{1,0}, bf16[8]{0}) tuple(%i, %w, %v)
+}
+
+%step_cond (q: (s32[], f32[16,4], bf16[8])) -> pred[] {
+  %q = (s32[], f32[16,4]{1,0}, bf16[8]{0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[16,4], b: f32[4,4]) -> f32[16,4] {
+  %a = f32[16,4]{1,0} parameter(0)
+  %b = f32[4,4]{1,0} parameter(1)
+  %collective-permute.1 = f32[4,4]{1,0} collective-permute(%b), channel_id=4, source_target_pairs={{0,1},{1,0}}
+  %tuple.2 = (s32[], f32[16,4]{1,0}, bf16[8]{0}) tuple(%i, %a, %v)
+  %while.2 = (s32[], f32[16,4]{1,0}, bf16[8]{0}) while(%tuple.2), condition=%step_cond, body=%step_body, backend_config={"known_induction_variable":{"tuple_index":"0"}}
+  ROOT %out = f32[16,4]{1,0} get-tuple-element(%while.2), index=1
+}
+"""
+
+
+class HloCollectivesTest(parameterized.TestCase):
+  def test_one_decode_step_counts_the_layer_loop_trips(self):
+    body = hlo_collectives.dynamic_loop(_HLO)
+    self.assertEqual(body, "step_body")
+    ops = {op.name: op for op in hlo_collectives.collectives(_HLO, body)}
+    self.assertEqual(set(ops), {"all-gather.1", "all-reduce.1", "all-reduce.2"})
+    gather, reduce_tuple, promoted = ops["all-gather.1"], ops["all-reduce.1"], ops["all-reduce.2"]
+    # all-gather: a 2x4 f32 shard (32 bytes) over 8 devices, 3 trips; 7 shards arrive.
+    self.assertEqual((gather.operand_bytes, gather.group_size, gather.count), (32, 8, 3))
+    self.assertEqual(gather.link_bytes, 32 * 7)
+    # The tuple all-reduce: f32[16,4] (256 bytes) + bf16[4,8] (64 bytes), groups of 4.
+    self.assertEqual((reduce_tuple.operand_bytes, reduce_tuple.group_size), (320, 4))
+    self.assertEqual(reduce_tuple.link_bytes, 2 * 320 * 3 / 4)
+    self.assertFalse(reduce_tuple.promoted)
+    # Explicit groups of 2; the `_promoted` reducer marks a widened bf16 reduction.
+    self.assertEqual((promoted.operand_bytes, promoted.group_size, promoted.count), (16, 2, 1))
+    self.assertTrue(promoted.promoted)
+    totals = hlo_collectives.summarize(hlo_collectives.collectives(_HLO, body))
+    self.assertEqual(totals["all-gather"]["ops"], 3)
+    self.assertEqual(totals["total"]["link_bytes"], 3 * 224 + 3 * 480 + 16)
+    self.assertEqual(totals["total"]["promoted_link_bytes"], 16)
+
+  def test_whole_program_adds_the_ops_outside_the_loops(self):
+    ops = hlo_collectives.collectives(_HLO)
+    names = sorted(op.name for op in ops)
+    self.assertEqual(
+      names, ["all-gather.1", "all-reduce.1", "all-reduce.2", "collective-permute.1"]
+    )
+    permute = [op for op in ops if op.kind == "collective-permute"][0]
+    self.assertEqual((permute.operand_bytes, permute.link_bytes), (64, 64))
+
+  def test_shape_bytes(self):
+    self.assertEqual(hlo_collectives.shape_bytes("f32[8,4]{1,0}"), 128)
+    self.assertEqual(hlo_collectives.shape_bytes("(bf16[2,3]{1,0}, pred[], s32[4])"), 12 + 1 + 16)
+
+
+def _tiny(dtype, **changes):
+  return config_lib.get_preset("qwen3-tiny", dtype=dtype, param_dtype="float32").replace(**changes)
+
+
+def _learner_params(config, mesh):
+  """Random float32 params (normal(0.05), norm scales 1 + normal(0.05)) in the learner layout.
+
+  Drawn with NumPy: `qwen.init_params` runs eagerly, op by op, and costs seconds on a busy CPU.
+  """
+  rng = np.random.default_rng(0)
+
+  def draw(path, leaf):
+    x = rng.normal(0.0, 0.05, leaf.shape).astype(np.float32)
+    return x + 1.0 if sharding.path_name(path).endswith("scale") else x
+
+  shapes = qwen.params_shape(config)
+  params = jax.tree_util.tree_map_with_path(draw, shapes)
+  return jax.device_put(params, sharding.param_shardings(shapes, mesh))
+
+
+class DecodeLayoutTest(parameterized.TestCase):
+  def test_decode_mesh_keeps_the_devices_in_order(self):
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    self.assertEqual(
+      dict(decode_layout.decode_mesh(mesh).shape), {"data": 2, "fsdp": 1, "tensor": 4}
+    )
+    mesh = sharding.make_mesh(fsdp=-1)
+    dm = decode_layout.decode_mesh(mesh, tensor=4)
+    self.assertEqual(dict(dm.shape), {"data": 2, "fsdp": 1, "tensor": 4})
+    self.assertEqual(list(dm.devices.flat), list(mesh.devices.flat))
+    with self.assertRaisesRegex(ValueError, "divisor of 8"):
+      decode_layout.decode_mesh(mesh, tensor=3)
+
+  @parameterized.named_parameters(("heads_divide", 2, "tensor"), ("heads_do_not", 8, None))
+  def test_attention_over_tensor_only_when_the_kv_heads_divide(self, tensor, head_axis):
+    config = _tiny("float32")  # 4 query heads, 2 kv heads
+    layout = decode_layout.DecodeLayout(config, sharding.make_mesh(fsdp=-1), tensor=tensor)
+    specs = jax.tree.map(lambda s: s.spec, layout.shardings)
+    attn = specs["layers"]["attn"]
+    expect = P(None, None, "tensor") if head_axis else P()
+    self.assertEqual(attn["q_proj"]["kernel"], expect)
+    self.assertEqual(attn["o_proj"]["kernel"], P(None, "tensor", None) if head_axis else P())
+    self.assertEqual(specs["layers"]["mlp"]["up_proj"]["kernel"], P(None, None, "tensor"))
+    self.assertEqual(specs["layers"]["mlp"]["down_proj"]["kernel"], P(None, "tensor", None))
+    self.assertEqual(specs["lm_head"]["kernel"], P(None, "tensor"))
+    cache = layout.cache_sharding(qwen.init_cache(config, 8, 16))
+    self.assertEqual(cache.keys.spec[2], head_axis)
+
+  def test_reshard_casts_moves_and_reuses_the_previous_buffers(self):
+    config = _tiny("bfloat16")
+    mesh = sharding.make_mesh(fsdp=-1)
+    params = _learner_params(config, mesh)
+    layout = decode_layout.DecodeLayout(config, mesh, tensor=4)
+    first = layout(params)
+    for got, want, s in zip(
+      jax.tree.leaves(first), jax.tree.leaves(params), jax.tree.leaves(layout.shardings)
+    ):
+      self.assertEqual(got.dtype, jnp.bfloat16)
+      self.assertEqual(got.sharding, s)
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16)))
+    self.assertIs(layout(params), first)  # the same params: no reshard
+
+    def pointers(tree):
+      return [
+        s.data.unsafe_buffer_pointer()
+        for leaf in (tree["layers"]["mlp"]["up_proj"]["kernel"], tree["lm_head"]["kernel"])
+        for s in leaf.addressable_shards
+      ]
+
+    before = pointers(first)
+    updated = jax.tree.map(lambda x: x + 1.0, params)
+    second = layout(updated)
+    self.assertTrue(first["layers"]["mlp"]["up_proj"]["kernel"].is_deleted())  # donated
+    self.assertEqual(pointers(second), before)  # written into the previous copy's buffers
+    np.testing.assert_array_equal(
+      np.asarray(second["embed"]["embedding"]),
+      np.asarray(updated["embed"]["embedding"].astype(jnp.bfloat16)),
+    )
+    self.assertFalse(params["embed"]["embedding"].is_deleted())  # the learner's params stay
+
+
+class DecodeSamplerTest(parameterized.TestCase):
+  """The sampler on the decode layout: same tokens, and a decode step free of weight gathers."""
+
+  B, S, N, CAPACITY = 8, 6, 6, 16
+
+  def _compile(self, config, mesh, params):
+    sc = sampling.SamplingConfig(max_new_tokens=self.N)
+    run = jax.jit(
+      sampling.make_continuer(
+        config, sc, cache_sharding=functools.partial(sharding.cache_shardings, mesh=mesh), jit=False
+      )
+    )
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, config.vocab_size, (self.B, self.S)), jnp.int32)
+    valid = jnp.asarray(np.arange(self.S)[None, :] >= np.arange(self.B)[:, None] % 3)
+    context = sampling.init_context(config, self.B, self.CAPACITY)
+    args = (params, context, ids, valid, jax.random.key(3))
+    with jax.set_mesh(mesh):
+      compiled = run.lower(*args).compile()
+      out, _ = compiled(*args)
+    return compiled.as_text(), jax.device_get(out)
+
+  def _learner_and_decode(self, config, tensor):
+    mesh = sharding.make_mesh(fsdp=-1)
+    params = _learner_params(config, mesh)
+    layout = decode_layout.DecodeLayout(config, mesh, tensor=tensor)
+    before = self._compile(config, mesh, params)
+    after = self._compile(layout.model_config, layout.mesh, layout(params))
+    return before, after
+
+  @pytest.mark.slow
+  @parameterized.named_parameters(
+    ("f32_tensor8", "float32", 8, 8, 1e-5),
+    ("bf16_tensor4_data2", "bfloat16", 4, 4, 2e-2),
+  )
+  def test_same_tokens_and_no_weight_gathers_per_step(self, dtype, tensor, kv_heads, logp_tol):
+    config = _tiny(dtype, num_heads=8, num_kv_heads=kv_heads)
+    (hlo_before, out_before), (hlo_after, out_after) = self._learner_and_decode(config, tensor)
+    np.testing.assert_array_equal(out_after.tokens, out_before.tokens)
+    np.testing.assert_array_equal(out_after.lengths, out_before.lengths)
+    np.testing.assert_allclose(out_after.logprobs, out_before.logprobs, atol=logp_tol)
+
+    def step(text):
+      return hlo_collectives.collectives(text, hlo_collectives.dynamic_loop(text))
+
+    before, after = step(hlo_before), step(hlo_after)
+    layers = config.num_layers
+    # Before: the layer scan all-gathers the layer's FSDP-sharded float32 weights, every layer.
+    gathered = sum(
+      op.count * op.operand_bytes * op.group_size for op in before if op.kind == "all-gather"
+    )
+    layer_weights = sum(
+      x.size * 4 for x in jax.tree.leaves(qwen.params_shape(config)["layers"]) if x.ndim == 3
+    )
+    self.assertGreaterEqual(gathered, layer_weights)
+    self.assertTrue(any(op.kind == "all-gather" and op.count == layers for op in before))
+    # After: no all-gather bigger than a row's sampling statistics; the activations' all-reduces.
+    self.assertEqual(
+      [op for op in after if op.kind == "all-gather" and op.operand_bytes > 8 * self.B], []
+    )
+    rows = self.B // (8 // tensor)  # per data replica
+    hidden = rows * config.hidden_size * 4  # [rows, 1, D]; XLA:CPU reduces bf16 in float32
+    per_layer = [op for op in after if op.operand_bytes == hidden and op.count == layers]
+    self.assertLen(per_layer, 2 if tensor > 1 and kv_heads % tensor == 0 else 1)
+    link_before = sum(op.count * op.link_bytes for op in before)
+    link_after = sum(op.count * op.link_bytes for op in after)
+    self.assertLess(link_after, link_before / 4)
+
+
+if __name__ == "__main__":
+  absltest.main()
