@@ -2,6 +2,8 @@ r"""Learning curves on the synthetic task: SeeUPO against GRPO, GSPO and PPO, sa
 
     python benchmarks/bench_synthetic.py --workdir=/tmp/synthetic --iterations=300
     python benchmarks/bench_synthetic.py --workdir=/tmp/synthetic --plot-only   # from finished runs
+    python benchmarks/bench_synthetic.py --workdir=/tmp/synthetic --algorithms=dr_grpo,dapo
+        # today's baselines (any `learner.ALGORITHMS` name; gspo_token runs gspo's update)
 
 Each algorithm runs `experiments/run.py --config=synthetic` (the default config: a tiny Qwen3
 from scratch, 16 tasks x 8 samples per iteration, 3 dials) for the same number of iterations in

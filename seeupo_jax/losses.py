@@ -39,11 +39,18 @@ Metrics = dict[str, Array]
 LOG_RATIO_LIMIT = 20.0
 """Log-ratios are clamped to [-20, 20] before `exp` (exp(20) ~ 4.9e8)."""
 
-AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AGGREGATION_MODES = (
+  "token-mean",
+  "seq-mean-token-mean",
+  "seq-mean-token-sum",
+  "seq-mean-token-sum-norm",
+)
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 UPDATE_ORDERS = ("reverse", "forward", "random", "custom")
 
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+Aggregation = Literal[
+  "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
 
 
 # ---------------------------------------------------------------------------
@@ -102,6 +109,9 @@ def aggregate(values: Array, mask: Array, mode: Aggregation = "seq-mean-token-me
     "token-mean":          Σ_it m_it v_it / Σ_it m_it
     "seq-mean-token-mean": (1/|R|) Σ_{i∈R} (Σ_t m_it v_it / n_i)
     "seq-mean-token-sum":  (1/|R|) Σ_{i∈R} Σ_t m_it v_it
+    "seq-mean-token-sum-norm": (1/|R|) Σ_{i∈R} Σ_t m_it v_it / L, L = values.shape[-1]
+                           (Dr. GRPO: no per-sequence length normalisation; the constant
+                           L, the padded length, stands for the generation budget)
   Rows without tokens never count in a denominator; with no tokens at all the
   result is 0.
 
@@ -122,6 +132,8 @@ def aggregate(values: Array, mask: Array, mode: Aggregation = "seq-mean-token-me
   row_sums = jnp.sum(values * mask, axis=-1)
   if mode == "seq-mean-token-mean":
     row_values = row_sums / jnp.maximum(tokens_per_row, 1.0)
+  elif mode == "seq-mean-token-sum-norm":
+    row_values = row_sums / values.shape[-1]
   else:
     row_values = row_sums
   rows = (tokens_per_row > 0).astype(jnp.float32)

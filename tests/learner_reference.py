@@ -8,8 +8,10 @@ so  d logp[i, j] / d table[j, v] = onehot(tokens[i, j])[v] - softmax(table[j])[v
 with g[i, j] = d loss / d logp[i, j] has  d loss / d table[j, v] = sum_i g[i, j] (onehot - softmax).
 PPO's critic is a value table v[L]: V[i, j] = v[j] on valid tokens, 0 elsewhere.
 
-Aggregation is "seq-mean-token-mean" throughout: loss = sum_it w_it l_it with
-w_it = m_it / (n_i |R|), n_i = sum_t m_it, R = {i : n_i > 0}.
+Aggregation: loss = sum_it w_it l_it with n_i = sum_t m_it, R = {i : n_i > 0} and
+  seq-mean-token-mean (the default):  w_it = m_it / (n_i |R|)
+  seq-mean-token-sum-norm (Dr. GRPO): w_it = m_it / (L |R|), L the padded length
+  token-mean (DAPO):                  w_it = m_it / sum_jt m_jt
 
 Per-token gradients g = d loss / d logp (the clip's max picks the unclipped branch at a tie, where
 both branches have the same gradient):
@@ -39,7 +41,12 @@ CRITIC_FREE_ADVANTAGES = {
   "grpo": (True, False, False),
   "gspo": (True, False, False),
   "reinforce": (False, False, False),
+  "dr_grpo": (False, False, False),  # Dr. GRPO: R - group mean, no std
+  "gspo_token": (True, False, False),
+  "dapo": (True, False, False),
 }
+TOKEN_CLIP = ("grpo", "ppo", "dr_grpo", "dapo")
+SEQUENCE_CLIP = ("seeupo", "gspo", "gspo_token")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,15 +89,18 @@ def table_grad(table, tokens, g):
 # Losses with their hand-derived gradients.
 
 
-def seq_mean_token_mean_weights(mask):
-  """w[N, L] with loss = sum w * l: m_it / (n_i |R|)."""
+def aggregation_weights(mask, agg="seq-mean-token-mean"):
+  """w[N, L] with loss = sum w * l (see the module doc)."""
   mask = np.asarray(mask, np.float64)
+  if agg == "token-mean":
+    return mask / max(mask.sum(), 1.0)
   counts = mask.sum(1)
   rows = int((counts > 0).sum())
   w = np.zeros(mask.shape)
   for i in range(mask.shape[0]):
     if counts[i] > 0:
-      w[i] = mask[i] / counts[i] / rows
+      per_row = {"seq-mean-token-mean": counts[i], "seq-mean-token-sum-norm": mask.shape[1]}[agg]
+      w[i] = mask[i] / per_row / rows
   return w
 
 
@@ -113,18 +123,18 @@ def _clip_branch(ratio, adv, low, high):
 
 
 def policy_loss_and_grad(kind, logp, old_logp, ref_logp, adv, mask, hp, margin):
-  """Loss, metrics and g = d loss / d logp of one policy step (seq-mean-token-mean).
+  """Loss, metrics and g = d loss / d logp of one policy step (aggregation hp["agg"]).
 
   Args:
     kind: "token" (token clip), "sequence" (sequence clip) or "reinforce".
     logp, old_logp, ref_logp: float64[N, L] (ref_logp None: no KL).
     adv: float64[N, L] per-token advantages.
     mask: float64[N, L].
-    hp: dict with clip_low, clip_high, kl_coef.
+    hp: dict with clip_low, clip_high, kl_coef, agg.
     margin: a `_Margin`.
   """
   low, high = 1.0 - hp["clip_low"], 1.0 + hp["clip_high"]
-  w = seq_mean_token_mean_weights(mask)
+  w = aggregation_weights(mask, hp["agg"])
   n, length = mask.shape
   g = np.zeros((n, length))
   pg = 0.0
@@ -276,13 +286,17 @@ def reference_update(
   gamma=1.0,
   gae_lambda=1.0,
   value_clip=0.5,
+  agg="seq-mean-token-mean",
+  dynamic_sampling=False,
+  overlong_max_tokens=None,
+  overlong_cache_tokens=0,
   critic=None,
   critic_lr=None,
 ):
   """One training iteration with SGD, one mini-batch per epoch, from the definitions.
 
   Args:
-    algorithm: seeupo, grpo, gspo, reinforce, rloo or ppo.
+    algorithm: seeupo, grpo, gspo, reinforce, rloo, ppo, dr_grpo, gspo_token or dapo.
     table: float[L, V] initial policy params (also the KL reference).
     batch: anything with NumPy-convertible attributes tokens, token_valid, turn_ids, rewards,
       group_ids, row_valid (the learner's `Batch` fields).
@@ -291,7 +305,8 @@ def reference_update(
 
   Returns:
     dict: "table" float64[L, V], "critic" float64[L] or None, "metrics" (means over the optimizer
-    steps: loss, pg_loss, kl, clip_fraction, value_loss; optimizer_steps), "turn_M_mean"
+    steps: loss, pg_loss, kl, clip_fraction, value_loss; optimizer_steps), "groups_dropped"
+    (dynamic sampling), "turn_M_mean"
     float64[num_turns] (SeeUPO: mean M each turn was weighted with, over its rows; 0 for a turn
     no row has), "clip_margin" (smallest distance of a ratio from a clip boundary).
   """
@@ -303,7 +318,15 @@ def reference_update(
   row_valid = np.asarray(batch.row_valid, bool)
   n, length = tokens.shape
   table = _f64(table)
-  hp = dict(clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef)
+  dropped_groups = 0
+  if dynamic_sampling:  # DAPO: a group whose valid rows' rewards are all equal is left out
+    row_valid = row_valid.copy()
+    for g in set(group_ids[row_valid].tolist()):
+      members = [i for i in range(n) if group_ids[i] == g and row_valid[i]]
+      if len({float(rewards[i]) for i in members}) == 1:
+        dropped_groups += 1
+        row_valid[members] = False
+  hp = dict(clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, agg=agg)
   margin = _Margin()
   generated = np.zeros((n, length))
   for i in range(n):
@@ -311,12 +334,25 @@ def reference_update(
       if row_valid[i] and token_valid[i, j] and 0 <= turn_ids[i, j] < num_turns:
         generated[i, j] = 1.0
 
+  if overlong_max_tokens is not None:  # DAPO's soft overlong punishment, on all turns' tokens
+    start = overlong_max_tokens - overlong_cache_tokens
+    for i in range(n):
+      y = generated[i].sum()
+      if y > overlong_max_tokens:
+        rewards[i] -= 1.0
+      elif y > start:
+        rewards[i] += (start - y) / overlong_cache_tokens
+
   def logp_at(params):
     return table_logp(params, tokens, token_valid)
 
   ref_logp = logp_at(table) if kl_coef > 0 else None
-  kind = {"seeupo": "sequence", "gspo": "sequence", "grpo": "token", "ppo": "token"}.get(
-    algorithm, "reinforce"
+  kind = (
+    "token"
+    if algorithm in TOKEN_CLIP
+    else "sequence"
+    if algorithm in SEQUENCE_CLIP
+    else "reinforce"
   )
   steps = []  # per optimizer step: metrics dict
   turn_m_mean = np.zeros(num_turns)
@@ -394,4 +430,5 @@ def reference_update(
     "metrics": steps_mean,
     "turn_M_mean": turn_m_mean,
     "clip_margin": margin.value,
+    "groups_dropped": dropped_groups,
   }

@@ -22,7 +22,11 @@ def aggregate(values, mask, mode):
     if n == 0:
       continue
     s = float((v * m).sum())
-    row_values.append(s / n if mode == "seq-mean-token-mean" else s)
+    if mode == "seq-mean-token-mean":
+      s /= n
+    elif mode == "seq-mean-token-sum-norm":
+      s /= values.shape[-1]
+    row_values.append(s)
   return float(np.mean(row_values)) if row_values else 0.0
 
 

@@ -16,9 +16,12 @@ from seeupo_jax import learner
 N, L, V, T = 8, 12, 5, 3
 LR = 8.0  # large enough that the second epoch's ratios leave the clip range
 CRITIC_LR = 6.0
+# Dr. GRPO's loss is smaller (no std division, row sums over L = 12 instead of row means) and DAPO's
+# clip wider (0.28 above): larger steps take their second epoch into the clip as well.
+LR_OF = {"dr_grpo": 6 * LR, "dapo": 2 * LR}
 KL_COEF = 0.1
 RTOL, ATOL = 2e-5, 2e-5
-CLIPPED = ("seeupo", "grpo", "gspo", "ppo")
+CLIPPED = ("seeupo", "grpo", "gspo", "ppo", "dr_grpo", "gspo_token", "dapo")
 PPO_EXTRA = dict(gamma=0.9, gae_lambda=0.95)
 
 _rng = np.random.default_rng(0)
@@ -65,6 +68,18 @@ def make_batch(ragged: bool) -> learner.Batch:
 BATCHES = {"full": make_batch(False), "ragged": make_batch(True)}
 
 
+def _equal_group(batch):
+  """Group 1 (rows 4-7) with equal rewards: dynamic sampling drops it."""
+  rewards = np.array(batch.rewards)
+  rewards[4:] = 0.5
+  return batch.replace(rewards=rewards)
+
+
+# Batches outside the all-algorithms cases.
+EXTRA_BATCHES = {f"{name}_equal_group": _equal_group(b) for name, b in BATCHES.items()}
+ALL_BATCHES = {**BATCHES, **EXTRA_BATCHES}
+
+
 def logprob_fn(params, batch):
   log_probs = jax.nn.log_softmax(params["table"], axis=-1)  # [L, V]
   cols = jnp.arange(batch.tokens.shape[1])[None, :]
@@ -83,7 +98,11 @@ def _step(config: learner.LearnerConfig):
     return learner.make_update(
       logprob_fn, optax.sgd(LR), config, value_fn=value_fn, critic_optimizer=optax.sgd(CRITIC_LR)
     )
-  return learner.make_update(logprob_fn, optax.sgd(LR), config)
+  return learner.make_update(logprob_fn, optax.sgd(_lr(config)), config)
+
+
+def _lr(config):
+  return LR_OF.get(config.algorithm, LR)
 
 
 def config_for(algorithm, epochs, **changes):
@@ -101,11 +120,11 @@ def run_learner(config: learner.LearnerConfig, batch_name: str):
     critic = dict(critic_params={"v": jnp.asarray(VALUES0)}, critic_optimizer=optax.sgd(CRITIC_LR))
   state = learner.init_state(
     {"table": jnp.asarray(TABLE0)},
-    optax.sgd(LR),
+    optax.sgd(_lr(config)),
     ref_params={"table": jnp.asarray(TABLE0)},
     **critic,
   )
-  batch = jax.tree.map(jnp.asarray, BATCHES[batch_name])
+  batch = jax.tree.map(jnp.asarray, ALL_BATCHES[batch_name])
   state, metrics = _step(config)(state, batch, jax.random.key(0))
   critic_out = None if state.critic_params is None else np.asarray(state.critic_params["v"])
   return np.asarray(state.params["table"]), critic_out, jax.tree.map(np.asarray, metrics)
@@ -126,14 +145,18 @@ def run_reference(config: learner.LearnerConfig, batch_name: str):
     "gamma",
     "gae_lambda",
     "value_clip",
+    "agg",
+    "dynamic_sampling",
+    "overlong_max_tokens",
+    "overlong_cache_tokens",
   )
-  assert config.minibatches == 1 and config.agg == "seq-mean-token-mean"
+  assert config.minibatches == 1
   return ref.reference_update(
     config.algorithm,
     TABLE0,
-    BATCHES[batch_name],
+    ALL_BATCHES[batch_name],
     num_turns=config.num_turns,
-    lr=LR,
+    lr=_lr(config),
     critic=VALUES0 if config.algorithm == "ppo" else None,
     critic_lr=CRITIC_LR,
     **{name: getattr(config, name) for name in fields},
@@ -215,3 +238,77 @@ def test_seeupo_ablations_match_reference(changes, batch_name):
 def test_critic_free_turn_discount_matches_reference(algorithm):
   """gamma < 1 for the baselines: A * gamma^(T_i - 1 - t) per turn (rows of 1, 2 and 3 turns)."""
   assert_matches_reference(config_for(algorithm, 1, gamma=0.5), "ragged")
+
+
+# ----------------------------------------------------------------------------------------------
+# The baselines of today's papers: Dr. GRPO, GSPO-token, DAPO (their all-algorithms cases above).
+
+
+@pytest.mark.parametrize("batch_name", EXTRA_BATCHES)
+def test_dapo_dynamic_sampling_and_overlong_shaping_match_reference(batch_name):
+  """DAPO with a group of equal rewards (dropped: it counts nowhere) and the overlong penalty
+  (L_max 7, L_cache 2: rows of 6 and 7 generated tokens get -0.5 and -1, rows of 9 get -1)."""
+  config = config_for("dapo", 2, overlong_max_tokens=7, overlong_cache_tokens=2)
+  table, want = assert_matches_reference(config, batch_name)
+  metrics = run_learner(config, batch_name)[2]
+  assert want["groups_dropped"] == 1 and float(metrics["groups_dropped"]) == 1.0
+  assert float(metrics["rows_dropped"]) == (4.0 if batch_name.startswith("full") else 3.0)
+  assert float(metrics["overlong_penalty_mean"]) < 0.0
+  # Without dynamic sampling the equal group stays in the denominators: another update.
+  kept, _, _ = run_learner(config.replace(dynamic_sampling=False), batch_name)
+  assert np.max(np.abs(kept - table)) > 1e-4
+
+
+def test_dapo_and_dr_grpo_defaults_are_their_papers():
+  dapo = learner.LearnerConfig(algorithm="dapo")
+  assert (dapo.clip_low, dapo.clip_high, dapo.agg) == (0.2, 0.28, "token-mean")
+  assert dapo.dynamic_sampling and dapo.advantage_normalisation == "group"
+  dr = learner.LearnerConfig(algorithm="dr_grpo")
+  assert dr.agg == "seq-mean-token-sum-norm" and dr.advantage_normalisation == "none"
+  # A field left to the algorithm follows a change of algorithm; one set explicitly stays.
+  assert dapo.replace(algorithm="grpo").clip_high == 0.2
+  assert dapo.replace(algorithm="grpo").dynamic_sampling is False
+  assert (
+    learner.LearnerConfig(algorithm="dapo", clip_high=0.3).replace(kl_coef=0.0).clip_high == 0.3
+  )
+  with pytest.raises(ValueError, match="dynamic_sampling"):
+    learner.LearnerConfig(algorithm="ppo", dynamic_sampling=True)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.5])
+def test_gspo_token_runs_gspo_s_loss(gamma):
+  """GSPO-token's value and gradient equal GSPO's (the GSPO paper, section 4.3): our sequence clip
+  loss is written in the token form, so the two names run the same update, with the turn
+  discounts (gamma < 1) as the per-token advantages."""
+  a, _, _ = run_learner(config_for("gspo_token", 2, gamma=gamma), "ragged")
+  b, _, _ = run_learner(config_for("gspo", 2, gamma=gamma), "ragged")
+  np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("algorithm", learner.ALGORITHMS)
+def test_metrics_are_the_listed_names(algorithm):
+  """The update returns exactly the names of `learner.metrics` (one list), per algorithm."""
+  config = config_for(algorithm, 1)
+  assert sorted(run_learner(config, "full")[2]) == sorted(learner.metrics.names(config))
+
+
+def test_every_algorithm_is_documented():
+  import pathlib
+
+  doc = (pathlib.Path(__file__).parent.parent / "docs" / "learner.md").read_text()
+  for name in learner.ALGORITHMS:
+    assert f"| `{name}` |" in doc, name
+
+
+def test_overlong_penalty_and_informative_groups_by_hand():
+  lengths = jnp.array([3.0, 5.0, 6.0, 7.0, 8.0])
+  np.testing.assert_allclose(
+    learner.objectives.overlong_penalty(lengths, 7, 2), [0.0, 0.0, -0.5, -1.0, -1.0]
+  )
+  np.testing.assert_allclose(learner.objectives.overlong_penalty(lengths, 7, 0), [0, 0, 0, 0, -1])
+  rewards = jnp.array([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
+  groups = jnp.array([0, 0, 1, 1, 2, 2])
+  valid = jnp.array([True, True, True, True, True, False])
+  keep, dropped = learner.objectives.informative_groups(rewards, groups, valid)
+  # Group 0 all equal, group 1 differs, group 2 has one valid row (equal to itself): 2 dropped.
+  assert keep.tolist() == [False, False, True, True, False, False] and float(dropped) == 2.0

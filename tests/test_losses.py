@@ -75,6 +75,10 @@ def test_aggregate_hand_case():
   assert float(losses.aggregate(values, mask, "seq-mean-token-sum")) == pytest.approx(
     (4.0 + 2.0) / 2
   )
+  # Dr. GRPO: row sums over the padded length L = 3, not over each row's token count.
+  assert float(losses.aggregate(values, mask, "seq-mean-token-sum-norm")) == pytest.approx(
+    (4.0 / 3 + 2.0 / 3) / 2
+  )
   for mode in AGGS:
     assert float(losses.aggregate(values, jnp.zeros_like(mask), mode)) == 0.0
 

@@ -20,7 +20,10 @@ def learner_section(**overrides) -> ml_collections.ConfigDict:
       continue
     value = overrides.pop(field.name, field.default)
     if value is None:
-      value = config_dict.placeholder(str if field.name == "normalisation" else float)
+      kind = str(field.type)  # "Optional[str]", "Optional[float]", ... (postponed annotations)
+      value = config_dict.placeholder(
+        next((t for t in (str, bool, int) if t.__name__ in kind), float)
+      )
     section[field.name] = value
   if overrides:
     raise ValueError(f"unknown LearnerConfig fields: {sorted(overrides)}")

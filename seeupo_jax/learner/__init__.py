@@ -8,6 +8,8 @@
 See docs/learner.md.
 """
 
+from seeupo_jax.learner import algorithms, metrics, objectives
+from seeupo_jax.learner.algorithms import REGISTRY, Algorithm
 from seeupo_jax.learner.batch import (
   PROMPT_OR_ENV,
   Batch,

@@ -11,29 +11,19 @@ import dataclasses
 from typing import Optional
 
 from seeupo_jax import losses
+from seeupo_jax.learner import algorithms
 
-ALGORITHMS = ("seeupo", "grpo", "gspo", "reinforce", "rloo", "ppo")
-"""seeupo: turn by turn (HAML), sequence-level clip, correction M.
-grpo: token-level clipped loss on all turns at once, group std.
-gspo: sequence-level clipped loss on all turns at once (one ratio per trajectory).
-reinforce: on-policy policy gradient with GRAE advantages.
-rloo: on-policy policy gradient with leave-one-out advantages.
-ppo: token-level clipped loss with GAE from a separately trained critic."""
+ALGORITHMS = tuple(algorithms.REGISTRY)
+"""The algorithm names, one `algorithms.Algorithm` record each (`algorithms.REGISTRY`)."""
 
 NORMALISATIONS = ("none", "group", "batch")
 
-DEFAULT_NORMALISATION = {
-  "seeupo": "batch",
-  "grpo": "group",
-  "gspo": "group",
-  "reinforce": "none",
-  "rloo": "none",
-  "ppo": "batch",
-}
+DEFAULT_NORMALISATION = {name: spec.normalisation for name, spec in algorithms.REGISTRY.items()}
 """The advantage normalisation each algorithm is defined with (`normalisation=None`)."""
 
-SEQUENTIAL = ("seeupo",)
-ON_POLICY = ("reinforce", "rloo")
+
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _bad(field: str, allowed: str, value) -> ValueError:
@@ -49,7 +39,7 @@ class LearnerConfig:
   per turn, seq-mean-token-mean aggregation.
 
   Attributes:
-    algorithm: one of `ALGORITHMS`.
+    algorithm: one of `ALGORITHMS`; its `algorithms.Algorithm` record is `spec`.
     num_turns: T, the most turns a trajectory may have (static). Turn ids in
       the batch are in [0, T); turns that no row has cost nothing and change
       nothing.
@@ -68,7 +58,8 @@ class LearnerConfig:
       micro-batches (memory only: the step is the same). Also the row chunk of
       the forward-only log-prob passes.
     clip_low, clip_high: the policy ratio clip (token ratio for grpo/ppo,
-      sequence ratio for seeupo/gspo).
+      sequence ratio for seeupo/gspo); clip_high None: the algorithm's
+      (`algorithms.COMMON_DEFAULTS`, or its record's `defaults`).
     dual_clip: optional dual-clip bound c > 1 for negative advantages.
     correction_clip_low, correction_clip_high: the clip of rho and M.
     advantage_clip: clamp after batch normalisation (None: no clamp).
@@ -76,12 +67,20 @@ class LearnerConfig:
       reference forward pass is run).
     kl_kind: one of `losses.KL_KINDS`.
     agg: loss aggregation, one of `losses.AGGREGATION_MODES` (the KL term uses
-      the same).
+      the same); None: the algorithm's.
     gamma: discount. PPO: GAE's per-token discount. Critic-free algorithms: turn t
       of a trajectory with T_i turns gets advantage A * gamma^(T_i - 1 - t)
       (`objectives.turn_discounts`); 1 (the paper's) leaves A as it is.
     gae_lambda: PPO's GAE lambda.
     value_clip: PPO critic's value clip (None: unclipped).
+    dynamic_sampling: DAPO's dynamic sampling inside the update: the rows of groups whose
+      rewards are all equal (no signal) are dropped, counted in `groups_dropped` and
+      `rows_dropped`; None: the algorithm's (on for dapo). Group-relative algorithms only.
+      (The training program can also draw more tasks to refill the batch.)
+    overlong_max_tokens, overlong_cache_tokens: DAPO's overlong reward shaping, for any
+      algorithm; None: off. A trajectory with |y| generated tokens (all turns) gets
+      R + 0 if |y| <= L_max - L_cache, R + ((L_max - L_cache) - |y|) / L_cache if
+      L_max - L_cache < |y| <= L_max, R - 1 beyond (`objectives.overlong_penalty`).
   """
 
   algorithm: str = "seeupo"
@@ -94,21 +93,30 @@ class LearnerConfig:
   minibatches: int = 1
   microbatches: int = 1
   clip_low: float = 0.2
-  clip_high: float = 0.2
+  clip_high: Optional[float] = None
   dual_clip: Optional[float] = None
   correction_clip_low: float = 0.2
   correction_clip_high: float = 0.2
   advantage_clip: Optional[float] = 3.0
   kl_coef: float = 0.002
   kl_kind: str = "low_var_kl"
-  agg: str = "seq-mean-token-mean"
+  agg: Optional[str] = None
   gamma: float = 1.0
   gae_lambda: float = 1.0
   value_clip: Optional[float] = 0.5
+  dynamic_sampling: Optional[bool] = None
+  overlong_max_tokens: Optional[int] = None
+  overlong_cache_tokens: int = 0
 
   def __post_init__(self):
-    if self.algorithm not in ALGORITHMS:
-      raise _bad("algorithm", f"one of {ALGORITHMS}", self.algorithm)
+    spec = algorithms.get(self.algorithm)
+    defaulted = []
+    for field, default in algorithms.COMMON_DEFAULTS.items():
+      if getattr(self, field) is None:
+        object.__setattr__(self, field, spec.defaults.get(field, default))
+        defaulted.append(field)
+    # Not a field: the fields left None that took the algorithm's default (`replace` resets them).
+    object.__setattr__(self, "_defaulted", tuple(defaulted))
     for field in ("num_turns", "epochs", "minibatches", "microbatches"):
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -124,7 +132,7 @@ class LearnerConfig:
         )
     elif self.custom_order:
       raise _bad("custom_order", "empty unless order='custom'", self.custom_order)
-    if self.algorithm not in SEQUENTIAL:
+    if not spec.sequential:
       if self.order != "reverse":
         raise _bad(
           "order", "'reverse' (the update order applies to algorithm='seeupo' only)", self.order
@@ -133,17 +141,18 @@ class LearnerConfig:
         raise _bad(
           "correction", "True (the correction applies to algorithm='seeupo' only)", self.correction
         )
-    if self.algorithm in ON_POLICY and (self.epochs, self.minibatches) != (1, 1):
+    if spec.on_policy and (self.epochs, self.minibatches) != (1, 1):
       raise ValueError(
         f"LearnerConfig.epochs and .minibatches must be 1 for algorithm={self.algorithm!r} "
         f"(on-policy policy gradient), got epochs={self.epochs}, minibatches={self.minibatches}"
       )
     if self.normalisation is not None and self.normalisation not in NORMALISATIONS:
       raise _bad("normalisation", f"None or one of {NORMALISATIONS}", self.normalisation)
-    if self.algorithm == "rloo" and self.advantage_normalisation != "none":
-      raise _bad("normalisation", "None or 'none' for algorithm='rloo'", self.normalisation)
-    if self.algorithm == "ppo" and self.advantage_normalisation == "group":
-      raise _bad("normalisation", "None, 'none' or 'batch' for algorithm='ppo'", self.normalisation)
+    if self.advantage_normalisation not in spec.normalisations:
+      allowed = ", ".join(repr(n) for n in spec.normalisations)
+      raise _bad(
+        "normalisation", f"None, {allowed} for algorithm={self.algorithm!r}", self.normalisation
+      )
     for field in ("clip_low", "clip_high", "correction_clip_low", "correction_clip_high"):
       value = getattr(self, field)
       if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
@@ -164,17 +173,43 @@ class LearnerConfig:
       raise _bad("gae_lambda", "a float in [0, 1]", self.gae_lambda)
     if self.value_clip is not None and not self.value_clip > 0:
       raise _bad("value_clip", "None or a float > 0", self.value_clip)
+    if self.dynamic_sampling and "dynamic_sampling" not in spec.options:
+      raise _bad(
+        "dynamic_sampling",
+        f"False for algorithm={self.algorithm!r} (it applies to group-relative advantages only)",
+        self.dynamic_sampling,
+      )
+    if self.overlong_max_tokens is not None:
+      if not _is_int(self.overlong_max_tokens) or self.overlong_max_tokens < 1:
+        raise _bad("overlong_max_tokens", "None or an int >= 1", self.overlong_max_tokens)
+      if not _is_int(self.overlong_cache_tokens) or not (
+        0 <= self.overlong_cache_tokens <= self.overlong_max_tokens
+      ):
+        raise _bad(
+          "overlong_cache_tokens", "an int in [0, overlong_max_tokens]", self.overlong_cache_tokens
+        )
+    elif self.overlong_cache_tokens:
+      raise _bad(
+        "overlong_cache_tokens", "0 unless overlong_max_tokens is set", self.overlong_cache_tokens
+      )
+
+  @property
+  def spec(self) -> algorithms.Algorithm:
+    """The algorithm's record: how it computes advantages, its loss, its options."""
+    return algorithms.REGISTRY[self.algorithm]
 
   @property
   def advantage_normalisation(self) -> str:
     """The normalisation that runs: `normalisation`, or the algorithm's own."""
-    return self.normalisation or DEFAULT_NORMALISATION[self.algorithm]
+    return self.normalisation or self.spec.normalisation
 
   @property
   def sequential(self) -> bool:
     """True for SeeUPO: turns are updated one at a time."""
-    return self.algorithm in SEQUENTIAL
+    return self.spec.sequential
 
   def replace(self, **changes) -> "LearnerConfig":
-    """A copy with `changes` applied (validated again)."""
-    return dataclasses.replace(self, **changes)
+    """A copy with `changes` applied (validated again); fields that took the algorithm's
+    default take the new algorithm's unless `changes` sets them."""
+    reset = {field: None for field in self._defaulted if field not in changes}
+    return dataclasses.replace(self, **{**reset, **changes})

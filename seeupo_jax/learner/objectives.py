@@ -41,7 +41,7 @@ def trajectory_advantages(
   """
   chex.assert_rank([rewards, group_ids, row_valid], 1)
   num_groups = rewards.shape[0]
-  if config.algorithm == "rloo":
+  if config.spec.advantage == "rloo":
     return losses.rloo_advantages(rewards, group_ids, num_groups, valid=row_valid)
   norm = config.advantage_normalisation
   return losses.grae_advantages(
@@ -53,6 +53,50 @@ def trajectory_advantages(
     clip=config.advantage_clip if norm == "batch" else None,
     valid=row_valid,
   )
+
+
+def overlong_penalty(lengths: Array, max_tokens: int, cache_tokens: int) -> Array:
+  """DAPO's soft overlong punishment, added to the outcome reward.
+
+    R_len(|y|) = 0                                 |y| <= L_max - L_cache
+               = ((L_max - L_cache) - |y|) / L_cache   L_max - L_cache < |y| <= L_max
+               = -1                                L_max < |y|
+  See "DAPO" (https://arxiv.org/abs/2503.14476), eq. 13.
+
+  Args:
+    lengths: float32[N], |y|: the generated tokens of each trajectory (all its turns).
+    max_tokens: L_max.
+    cache_tokens: L_cache in [0, L_max].
+
+  Returns:
+    float32[N], in [-1, 0].
+  """
+  chex.assert_rank(lengths, 1)
+  start = float(max_tokens - cache_tokens)
+  ramp = (start - lengths) / max(cache_tokens, 1)
+  return jnp.where(lengths > max_tokens, -1.0, jnp.where(lengths > start, ramp, 0.0)).astype(
+    jnp.float32
+  )
+
+
+def informative_groups(rewards: Array, group_ids: Array, row_valid: Array) -> tuple[Array, Array]:
+  """DAPO's dynamic-sampling filter: a group whose valid rows' rewards are all equal has no signal.
+
+  Args:
+    rewards: float32[N]; group_ids: int32[N] in [0, N); row_valid: bool[N].
+
+  Returns:
+    (keep bool[N]: valid rows of groups whose rewards differ, dropped groups float32 scalar:
+    groups with a valid row and all rewards equal).
+  """
+  chex.assert_rank([rewards, group_ids, row_valid], 1)
+  n = rewards.shape[0]
+  high = jax.ops.segment_max(jnp.where(row_valid, rewards, -jnp.inf), group_ids, num_segments=n)
+  low = jax.ops.segment_min(jnp.where(row_valid, rewards, jnp.inf), group_ids, num_segments=n)
+  present = jax.ops.segment_sum(row_valid.astype(jnp.float32), group_ids, num_segments=n) > 0
+  informative = high > low
+  dropped = jnp.sum((present & ~informative).astype(jnp.float32))
+  return row_valid & informative[group_ids], dropped
 
 
 def turn_discounts(turn_ids: Array, mask: Array, gamma: float) -> Array:
@@ -129,13 +173,9 @@ class LossInputs(NamedTuple):
       params (one epoch of one mini-batch), so stop_gradient of its log-probs.
     ref_logp: float32[R, L] reference log-probs, or None (no KL term).
     advantages: float32[R] (critic-free) or float32[R, L] (PPO, or turn
-      discounts), before SeeUPO's correction M when `correction` is set.
+      discounts); for SeeUPO already weighted by M (`weigh_advantages`).
     mask: float32[R, L], the tokens this loss trains on.
     old_values, returns: float32[R, L] PPO critic inputs, else None.
-    correction: SeeUPO: float32[R] M before the last updated turn's factor
-      (pending, see `fold_pending_correction`); None elsewhere.
-    previous_old_logp, previous_mask: float32[R, L], the last updated turn's old
-      log-probs and mask (zeros before the first turn), with `correction`.
   """
 
   old_logp: Optional[Array]
@@ -144,50 +184,82 @@ class LossInputs(NamedTuple):
   mask: Array
   old_values: Optional[Array] = None
   returns: Optional[Array] = None
-  correction: Optional[Array] = None
-  previous_old_logp: Optional[Array] = None
-  previous_mask: Optional[Array] = None
 
 
-def fold_pending_correction(
-  logp: Array, inputs: LossInputs, config: LearnerConfig
-) -> tuple[LossInputs, Array]:
-  """Folds the last updated turn's factor into M, and M into the advantages.
+class Correction(NamedTuple):
+  """SeeUPO's HAML factor M, one per trajectory, with the last updated turn's factor pending.
 
-    M <- clip(M * clip(s, 1 - c_lo, 1 + c_hi), 1 - c_lo, 1 + c_hi),
-    s = exp(mean over the previous turn's tokens of (logp - previous_old_logp))
-  (`losses.seeupo_correction`; rows without the previous turn keep M; nothing
-  changes with `config.correction` False), then advantages <- A * M.
+  rho of turn t needs the log-probs after turn t's update, which the next updated
+  turn's first forward pass gives; until then turn t's old log-probs and mask wait here.
 
-  Args:
-    logp: float32[R, L], log-probs at the current params (after the previous
-      turn's update), no gradient.
-    inputs: `LossInputs`; without `correction` they are returned as they are.
-    config: the correction clips and switch.
-
-  Returns:
-    (inputs with advantages A * M and no pending correction, M float32[R]).
+  Attributes:
+    factor: float32[N], M up to (not including) the last updated turn.
+    pending_old_logp: float32[N, L], the last updated turn's old log-probs.
+    pending_mask: float32[N, L], the last updated turn's mask (zeros before the first turn).
   """
-  if inputs.correction is None:
-    return inputs, jnp.ones(inputs.mask.shape[:1], jnp.float32)
-  correction = inputs.correction
-  if config.correction:
-    correction = losses.seeupo_correction(
-      correction,
+
+  factor: Array
+  pending_old_logp: Array
+  pending_mask: Array
+
+  @classmethod
+  def start(cls, shape: tuple[int, int]) -> "Correction":
+    """M = 1 for every trajectory, nothing pending."""
+    zeros = jnp.zeros(shape, jnp.float32)
+    return cls(jnp.ones(shape[:1], jnp.float32), zeros, zeros)
+
+  def take(self, rows: Array) -> "Correction":
+    return jax.tree.map(lambda x: x[rows], self)
+
+  def corrected(self, logp: Array, config: LearnerConfig) -> Array:
+    """float32[N]: M with the pending factor folded in (unchanged with `config.correction` off).
+
+      M <- clip(M * clip(s, 1 - c_lo, 1 + c_hi), 1 - c_lo, 1 + c_hi),
+      s = exp(mean over the pending turn's tokens of (logp - pending_old_logp))
+    (`losses.seeupo_correction`; rows without the pending turn keep M).
+
+    Args:
+      logp: float32[N, L], log-probs at the current params (after the pending turn's
+        update), no gradient.
+      config: the correction clips and switch.
+    """
+    if not config.correction:
+      return self.factor
+    return losses.seeupo_correction(
+      self.factor,
       logp,
-      inputs.previous_old_logp,
-      inputs.previous_mask,
+      self.pending_old_logp,
+      self.pending_mask,
       clip_low=config.correction_clip_low,
       clip_high=config.correction_clip_high,
     )
+
+
+def weigh_advantages(inputs: LossInputs, correction: Array) -> LossInputs:
+  """The turn's advantages A * M (M float32[R] a constant, per trajectory)."""
   factor = correction if inputs.advantages.ndim == 1 else correction[:, None]
-  folded = inputs._replace(
-    advantages=inputs.advantages * factor,
-    correction=None,
-    previous_old_logp=None,
-    previous_mask=None,
-  )
-  return folded, correction
+  return inputs._replace(advantages=inputs.advantages * factor)
+
+
+def turn_inputs(
+  first_logp: Array, inputs: LossInputs, correction: Optional[Correction], config: LearnerConfig
+) -> tuple[LossInputs, Array]:
+  """The box's "correct M -> A * M" from the turn's first forward pass (SeeUPO).
+
+  Args:
+    first_logp: float32[R, L], log-probs at the params the turn starts from (after the
+      previous updated turn's update), no gradient.
+    inputs: `LossInputs` with the advantages A.
+    correction: the `Correction` of these rows, or None (not sequential: nothing to weigh).
+    config: the correction clips and switch.
+
+  Returns:
+    (inputs with advantages A * M, M float32[R]; ones without a correction).
+  """
+  if correction is None:
+    return inputs, jnp.ones(inputs.mask.shape[:1], jnp.float32)
+  factor = correction.corrected(first_logp, config)
+  return weigh_advantages(inputs, factor), factor
 
 
 def aggregation_denominator(mask: Array, agg: str) -> Array:
@@ -205,9 +277,9 @@ def aggregation_denominator(mask: Array, agg: str) -> Array:
 def policy_loss(logp: Array, inputs: LossInputs, config: LearnerConfig) -> tuple[Array, dict]:
   """The algorithm's policy objective plus the KL penalty, on `inputs.mask`.
 
-    seeupo, gspo: losses.sequence_clip_loss (one ratio per row of the mask)
-    grpo, ppo:    losses.token_clip_loss
-    reinforce, rloo: losses.reinforce_loss
+    loss "sequence_clip" (seeupo, gspo): losses.sequence_clip_loss (one ratio per row of the mask)
+    loss "token_clip" (grpo, ppo):       losses.token_clip_loss
+    loss "reinforce" (reinforce, rloo):  losses.reinforce_loss
     + kl_coef * aggregate(kl_penalty(logp, ref_logp, kl_kind), mask, agg)
 
   Args:
@@ -223,11 +295,12 @@ def policy_loss(logp: Array, inputs: LossInputs, config: LearnerConfig) -> tuple
   clip = dict(
     clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip, agg=config.agg
   )
-  if config.algorithm in ("seeupo", "gspo"):
+  kind = config.spec.loss
+  if kind == "sequence_clip":
     pg, metrics = losses.sequence_clip_loss(
       logp, inputs.old_logp, inputs.advantages, inputs.mask, **clip
     )
-  elif config.algorithm in ("grpo", "ppo"):
+  elif kind == "token_clip":
     pg, metrics = losses.token_clip_loss(
       logp, inputs.old_logp, inputs.advantages, inputs.mask, **clip
     )

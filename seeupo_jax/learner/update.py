@@ -1,19 +1,20 @@
 """The learner's update: one jitted call per training iteration.
 
 `make_update(logprob_fn, optimizer, config)` binds everything static and
-returns `update(state, batch, key) -> (state, metrics)`. The update reads like
-the paper's algorithm box (SeeUPO, `config.algorithm == "seeupo"`):
+returns `update(state, batch, key) -> (state, metrics)`. What differs between
+algorithms is read from the config's record (`config.spec`, `algorithms.py`).
+The update reads like the paper's algorithm box (SeeUPO, `spec.sequential`):
 
-    A   <- GRAE advantages of the trajectories               (objectives.trajectory_advantages)
-    M   <- 1 for every trajectory
+    A   <- GRAE advantages of the trajectories               (_advantages)
+    M   <- 1 for every trajectory                            (objectives.Correction.start)
     for t in update_order(T):                                 (lax.scan: _update_turn)
-      logp <- log pi at the current params                    (the turn's first forward pass)
-      M   <- clip(M * clip(s_prev, 1 -+ c), 1 -+ c)           (objectives.fold_pending_correction:
-             s_prev = the previous updated turn's ratio,        losses.seeupo_correction)
-             after / before its update, from logp
-      old_logp <- logp
-      epochs x mini-batches of optax steps on                 (_optimise -> _epoch -> _minibatch_step)
-        sequence_clip_loss(turn t, A * M) + kl_coef * KL(turn t)
+      first pass: logp <- log pi at the current params       (_optimise_from_start)
+      correct M:  M <- clip(M * clip(s_prev, 1 -+ c), 1 -+ c) (objectives.turn_inputs:
+                  s_prev = the previous updated turn's ratio,  Correction.corrected)
+                  after / before its update, from logp
+      A * M                                                   (objectives.weigh_advantages)
+      optimise:   epochs x mini-batches of optax steps on     (_optimise -> _epoch -> _minibatch_step)
+        sequence_clip_loss(turn t, A * M, old = logp) + kl_coef * KL(turn t)
 
 With one epoch of one mini-batch the turn's first forward pass is its only
 optimizer step's own (`_optimise_from_start`), so SeeUPO costs T optimizer
@@ -31,6 +32,7 @@ in `skipped_updates`).
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -40,6 +42,7 @@ import optax
 
 from seeupo_jax import losses
 from seeupo_jax.learner import batch as batch_lib
+from seeupo_jax.learner import metrics as metrics_lib
 from seeupo_jax.learner import objectives
 from seeupo_jax.learner import precision
 from seeupo_jax.learner.batch import Batch
@@ -66,42 +69,57 @@ class UpdateFns(NamedTuple):
   fuse_forward: bool = True
 
 
-class StepStats(NamedTuple):
+class StepStats(collections.namedtuple("StepStats", metrics_lib.STEP + ("ran", "skipped"))):
   """Per optimizer step statistics, each float32 [...] over (epochs, mini-batches).
 
-  `ran` is 1 where the step was applied; `skipped` is 1 where it was not
-  because the loss or gradient was not finite. The others are that step's
-  values (0 where the mini-batch had no tokens).
+  Fields: `metrics.STEP` (that step's values, 0 where the mini-batch had no tokens),
+  then `ran` (1 where the step was applied) and `skipped` (1 where it was not because
+  the loss or gradient was not finite).
   """
 
-  loss: Array
-  pg_loss: Array
-  kl: Array
-  clip_fraction: Array
-  ratio_mean: Array
-  approx_kl: Array
-  grad_norm: Array
-  value_loss: Array
-  value_error: Array
-  ran: Array
-  skipped: Array
+  __slots__ = ()
 
   @classmethod
   def zeros(cls, shape) -> "StepStats":
     return cls(*[jnp.zeros(shape, jnp.float32) for _ in cls._fields])
 
   def mean_over_applied(self) -> dict[str, Array]:
-    """Each statistic's mean over the steps that were applied (0 if none)."""
+    """Each of `metrics.STEP`'s mean over the steps that were applied (0 if none), and the
+    `metrics.COUNTS`."""
     weight = self.ran
     count = jnp.maximum(jnp.sum(weight), 1.0)
-    out = {
-      name: jnp.sum(getattr(self, name) * weight) / count
-      for name in self._fields
-      if name not in ("ran", "skipped")
-    }
+    out = {name: jnp.sum(getattr(self, name) * weight) / count for name in metrics_lib.STEP}
     out["optimizer_steps"] = jnp.sum(self.ran)
     out["skipped_updates"] = jnp.sum(self.skipped)
     return out
+
+
+class MicroResult(NamedTuple):
+  """One micro-batch's share of a mini-batch step (`_micro_grads`)."""
+
+  grads: Any  # (policy grads, critic grads or None)
+  loss: Array  # float32 scalar, weighted by the micro-batch's share
+  metrics: dict  # `metrics.LOSS` + "nonfinite_logp", each weighted likewise
+  logp: Array  # float32[R, L], the forward pass's log-probs (at the params before the step)
+  correction: Array  # float32[R], the M the loss weighed the advantages with
+
+
+class StepResult(NamedTuple):
+  """One mini-batch step (`_minibatch_step`)."""
+
+  state: TrainState
+  stats: StepStats  # of this step (scalars)
+  logp: Array  # float32[micro, R, L], the forward passes' log-probs, before the step
+  correction: Array  # float32[micro, R], the M applied
+
+
+class OptimiseResult(NamedTuple):
+  """A whole optimisation from a starting state (`_optimise_from_start`)."""
+
+  state: TrainState
+  stats: StepStats  # [epochs, minibatches]
+  first_logp: Array  # float32[N, L], the log-probs at the starting params (the first pass)
+  correction: Array  # float32[N], the M applied to the advantages (ones when not sequential)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -148,17 +166,7 @@ def _values(fns: UpdateFns, critic_params: Params, batch: Batch) -> Array:
   return jax.lax.stop_gradient(values.astype(jnp.float32))
 
 
-_LOSS_METRICS = (
-  "nonfinite_logp",
-  "loss",
-  "pg_loss",
-  "kl",
-  "clip_fraction",
-  "ratio_mean",
-  "approx_kl",
-  "value_loss",
-  "value_error",
-)
+_MICRO_METRICS = ("nonfinite_logp",) + metrics_lib.LOSS
 
 # ----------------------------------------------------------------------------------------------
 # The optimisation ladder: _optimise -> _epoch -> _minibatch_step -> _micro_grads.
@@ -168,20 +176,21 @@ def _take(inputs: objectives.LossInputs, rows: Array) -> objectives.LossInputs:
   return jax.tree.map(lambda x: x[rows], inputs)
 
 
-def _micro_grads(fns: UpdateFns, state: TrainState, batch: Batch, inputs, denominators, rows):
+def _micro_grads(
+  fns: UpdateFns, state: TrainState, batch: Batch, inputs, correction, denominators, rows
+) -> MicroResult:
   """Gradient of one micro-batch's share of the mini-batch loss.
 
   Each micro-batch's loss is weighted by its share of the mini-batch's
   aggregation denominator, so the micro-batch gradients add up to the
-  mini-batch gradient exactly.
-
-  Returns:
-    ((policy grads, critic grads), weighted loss, weighted metrics dict,
-    (the forward pass's log-probs float32[R, L], the M it applied float32[R])).
+  mini-batch gradient exactly. With a `correction` (SeeUPO, fused: this forward
+  pass is the turn's first) M is corrected from this pass's log-probs and the
+  advantages weighed by it before the loss is formed (`objectives.turn_inputs`).
   """
   config = fns.config
   sub_batch = batch_lib.take_rows(batch, rows)
   sub = _take(inputs, rows)
+  sub_correction = None if correction is None else correction.take(rows)
   policy_denominator, token_denominator = denominators
   weight = objectives.aggregation_denominator(sub.mask, config.agg) / jnp.maximum(
     policy_denominator, 1.0
@@ -191,7 +200,7 @@ def _micro_grads(fns: UpdateFns, state: TrainState, batch: Batch, inputs, denomi
   def loss_fn(params, critic_params):
     logp = fns.logprob_fn(params, sub_batch)
     seen = jax.lax.stop_gradient(logp)
-    loss_inputs, correction = objectives.fold_pending_correction(seen, sub, config)
+    loss_inputs, applied = objectives.turn_inputs(seen, sub, sub_correction, config)
     loss, metrics = objectives.policy_loss(logp, loss_inputs, config)
     metrics = {name: weight * value for name, value in metrics.items()}
     total = weight * loss
@@ -207,12 +216,12 @@ def _micro_grads(fns: UpdateFns, state: TrainState, batch: Batch, inputs, denomi
     # Counted here, not inferred from the loss: XLA may fold logp - stop_gradient(logp) to 0
     # even where logp is NaN, so a non-finite log-prob need not make the loss non-finite.
     metrics["nonfinite_logp"] = jnp.sum(~jnp.isfinite(jnp.where(sub.mask > 0, logp, 0.0)))
-    return total, (metrics, (seen.astype(jnp.float32), correction))
+    return total, (metrics, seen.astype(jnp.float32), applied)
 
-  (total, (metrics, per_row)), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-    state.params, state.critic_params
-  )
-  return grads, total, metrics, per_row
+  (total, (metrics, logp, applied)), grads = jax.value_and_grad(
+    loss_fn, argnums=(0, 1), has_aux=True
+  )(state.params, state.critic_params)
+  return MicroResult(grads, total, metrics, logp, applied)
 
 
 def _apply_gradients(fns: UpdateFns, state: TrainState, grads) -> TrainState:
@@ -241,16 +250,14 @@ def _apply_gradients(fns: UpdateFns, state: TrainState, grads) -> TrainState:
   return state
 
 
-def _minibatch_step(fns: UpdateFns, batch: Batch, inputs, state: TrainState, rows: Array):
+def _minibatch_step(
+  fns: UpdateFns, batch: Batch, inputs, state: TrainState, rows: Array, correction=None
+) -> StepResult:
   """One optimizer step on the rows `rows` (int32[microbatches, R]).
 
   The step is taken only if the mini-batch has tokens to train on and its loss
   and gradient are finite; otherwise the state is returned unchanged (a
-  non-finite step is counted in `skipped_updates`).
-
-  Returns:
-    (state, StepStats of this step, (log-probs float32[micro, R, L] of the forward
-    pass, i.e. at the params before the step, and the M applied float32[micro, R])).
+  non-finite step is counted in `skipped_updates`). `correction`: see `_micro_grads`.
   """
   config = fns.config
   masks = inputs.mask[rows]  # [micro, R, L]
@@ -261,18 +268,16 @@ def _minibatch_step(fns: UpdateFns, batch: Batch, inputs, state: TrainState, row
 
   def accumulate(carry, micro_rows):
     grads_sum, loss_sum, metrics_sum = carry
-    grads, loss, metrics, per_row = _micro_grads(
-      fns, state, batch, inputs, denominators, micro_rows
-    )
-    grads_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_sum, grads)
-    metrics_sum = {name: metrics_sum[name] + metrics[name] for name in _LOSS_METRICS}
-    return (grads_sum, loss_sum + loss, metrics_sum), per_row
+    micro = _micro_grads(fns, state, batch, inputs, correction, denominators, micro_rows)
+    grads_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_sum, micro.grads)
+    metrics_sum = {name: metrics_sum[name] + micro.metrics[name] for name in _MICRO_METRICS}
+    return (grads_sum, loss_sum + micro.loss, metrics_sum), (micro.logp, micro.correction)
 
   grads_zero = jax.tree.map(
     lambda p: jnp.zeros(p.shape, jnp.float32), (state.params, state.critic_params)
   )
-  metrics_zero = {name: jnp.zeros((), jnp.float32) for name in _LOSS_METRICS}
-  (grads, total, metrics), per_row = jax.lax.scan(
+  metrics_zero = {name: jnp.zeros((), jnp.float32) for name in _MICRO_METRICS}
+  (grads, total, metrics), (logp, applied) = jax.lax.scan(
     accumulate, (grads_zero, jnp.zeros((), jnp.float32), metrics_zero), rows
   )
   grad_norm = optax.global_norm(grads)  # float32, from the float32 sums
@@ -297,7 +302,7 @@ def _minibatch_step(fns: UpdateFns, batch: Batch, inputs, state: TrainState, row
     **{name: metrics[name] for name in StepStats._fields if name in metrics},
   )
   stats = StepStats(*[jnp.asarray(x, jnp.float32) for x in stats])
-  return state, stats, per_row
+  return StepResult(state, stats, logp, applied)
 
 
 def _epoch(fns: UpdateFns, batch: Batch, inputs, state: TrainState, epoch_key: Array):
@@ -309,8 +314,8 @@ def _epoch(fns: UpdateFns, batch: Batch, inputs, state: TrainState, epoch_key: A
   rows = permutation.reshape(config.minibatches, config.microbatches, micro)
 
   def minibatch_update(state, minibatch_rows):
-    state, stats, _ = _minibatch_step(fns, batch, inputs, state, minibatch_rows)
-    return state, stats
+    step = _minibatch_step(fns, batch, inputs, state, minibatch_rows)
+    return step.state, step.stats
 
   return jax.lax.scan(minibatch_update, state, rows)
 
@@ -331,33 +336,38 @@ def _fused(fns: UpdateFns) -> bool:
   return fns.fuse_forward and config.epochs == 1 and config.minibatches == 1
 
 
-def _optimise_from_start(fns: UpdateFns, state: TrainState, batch: Batch, inputs, key: Array):
-  """`_optimise` that also returns the log-probs at the starting params.
+def _optimise_from_start(
+  fns: UpdateFns,
+  state: TrainState,
+  batch: Batch,
+  inputs,
+  key: Array,
+  correction: Optional[objectives.Correction] = None,
+) -> OptimiseResult:
+  """First pass -> (SeeUPO: correct M -> A * M) -> `_optimise`.
 
-  With one epoch of one mini-batch (the authors' setting) nothing has moved the
-  params before the only step, so its forward pass IS the old-log-prob pass:
-  `inputs.old_logp` is None, the loss takes stop_gradient of its own log-probs,
-  and a pending SeeUPO factor is folded into M from the same pass
-  (`objectives.fold_pending_correction`). Otherwise a separate forward pass
-  gives the old log-probs and the pending factor is folded before `_optimise`.
-
-  Returns:
-    (state, StepStats [epochs, minibatches], log-probs float32[N, L] at the
-    starting params, M float32[N] applied to the advantages).
+  The first pass gives the log-probs at the starting params: the old log-probs,
+  and, with a `correction`, the pending turn's "after" log-probs from which M is
+  corrected and the advantages weighed (`objectives.turn_inputs`). With one epoch
+  of one mini-batch (the authors' setting) nothing has moved the params before
+  the only step, so its own forward pass IS the first pass: `inputs.old_logp` is
+  None, the loss takes stop_gradient of its own log-probs, and M is corrected
+  from the same pass. Otherwise a separate forward pass runs first.
   """
   n = batch.num_rows
   if _fused(fns):
     micro = _micro_rows(fns.config, n)
     rows = jnp.arange(n, dtype=jnp.int32).reshape(micro, fns.config.microbatches).T
-    state, stats, (logp, correction) = _minibatch_step(fns, batch, inputs, state, rows)
+    step = _minibatch_step(fns, batch, inputs, state, rows, correction)
     # Chunk c holds rows c, c + microbatches, ...: undo the stride.
-    logp = logp.swapaxes(0, 1).reshape((n,) + logp.shape[2:])
-    correction = correction.swapaxes(0, 1).reshape(n)
-    return state, jax.tree.map(lambda x: x[None, None], stats), logp, correction
-  logp = _logprobs(fns, state.params, batch)
-  loss_inputs, correction = objectives.fold_pending_correction(logp, inputs, fns.config)
-  state, stats = _optimise(fns, state, batch, loss_inputs._replace(old_logp=logp), key)
-  return state, stats, logp, correction
+    first_logp = step.logp.swapaxes(0, 1).reshape((n,) + step.logp.shape[2:])
+    applied = step.correction.swapaxes(0, 1).reshape(n)
+    stats = jax.tree.map(lambda x: x[None, None], step.stats)
+    return OptimiseResult(step.state, stats, first_logp, applied)
+  first_logp = _logprobs(fns, state.params, batch)
+  loss_inputs, applied = objectives.turn_inputs(first_logp, inputs, correction, fns.config)
+  state, stats = _optimise(fns, state, batch, loss_inputs._replace(old_logp=first_logp), key)
+  return OptimiseResult(state, stats, first_logp, applied)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -365,20 +375,20 @@ def _optimise_from_start(fns: UpdateFns, state: TrainState, batch: Batch, inputs
 
 
 class TurnCarry(NamedTuple):
-  """Carry of the turn scan.
-
-  state: the `TrainState`.
-  correction: float32[N], the HAML factor M of each trajectory, up to the last
-    updated turn's factor, which is pending: rho of turn t needs the log-probs
-    after its update, which the next updated turn's first forward pass gives.
-  previous_old_logp: float32[N, L], the last updated turn's old log-probs.
-  previous_mask: float32[N, L], the last updated turn's mask (zeros before the first).
-  """
+  """Carry of the turn scan: the `TrainState` and the `objectives.Correction` (M, with the
+  last updated turn's factor pending until the next turn's first pass)."""
 
   state: TrainState
-  correction: Array
-  previous_old_logp: Array
-  previous_mask: Array
+  correction: objectives.Correction
+
+
+class SequentialResult(NamedTuple):
+  """SeeUPO's turn scan (`_sequential_update`)."""
+
+  state: TrainState
+  per_turn: dict  # {name: float32[T]} indexed by turn id (`metrics.TURN`)
+  has_turn: Array  # bool[T], turns some row has
+  gap: dict  # `metrics.GAP` at the starting params
 
 
 def _correction_stats(correction: Array, rows: Array, config: LearnerConfig) -> dict[str, Array]:
@@ -396,12 +406,15 @@ def _correction_stats(correction: Array, rows: Array, config: LearnerConfig) -> 
 
 
 def _update_turn(fns, batch, generated, advantages, ref_logp, turn_key, carry: TurnCarry, xs):
-  """Updates one turn (virtual agent) if any trajectory has it; see the module doc.
+  """Updates one turn (virtual agent) if any trajectory has it: the paper's box.
 
-  Its first forward pass gives the log-probs at the current params: turn t's old
-  log-probs and the previous turn's "after" log-probs (whose rho is folded into
-  M before turn t's advantages A * M are formed). No pass runs after the last
-  turn: its factor would weigh no later turn.
+    first pass   logp <- log pi at the current params (after the previous updated turn's update)
+    correct M    M <- clip(M * clip(s_prev, 1 -+ c), 1 -+ c), s_prev from logp (that turn's
+                 after / before)
+    A * M        the turn's advantages
+    optimise     epochs x mini-batches of steps on the turn's tokens, old log-probs = logp
+  (`_optimise_from_start`; fused, the first pass is the only step's own forward pass). No
+  pass runs after the last turn: its factor would weigh no later turn.
   """
   config = fns.config
   turn = xs
@@ -411,22 +424,18 @@ def _update_turn(fns, batch, generated, advantages, ref_logp, turn_key, carry: T
 
   def run(carry: TurnCarry):
     inputs = objectives.LossInputs(
-      old_logp=None,
-      ref_logp=ref_logp,
-      advantages=advantages,
-      mask=mask,
-      correction=carry.correction,
-      previous_old_logp=carry.previous_old_logp,
-      previous_mask=carry.previous_mask,
+      old_logp=None, ref_logp=ref_logp, advantages=advantages, mask=mask
     )
-    state, stats, logp, correction = _optimise_from_start(
-      fns, carry.state, batch, inputs, jax.random.fold_in(turn_key, turn)
-    )
-    return TurnCarry(state, correction, logp, mask), (stats, correction, logp)
+    key = jax.random.fold_in(turn_key, turn)
+    result = _optimise_from_start(fns, carry.state, batch, inputs, key, carry.correction)
+    # This turn's factor is pending: its "after" log-probs come with the next turn's first pass.
+    correction = objectives.Correction(result.correction, result.first_logp, mask)
+    return TurnCarry(result.state, correction), (result.stats, result.correction, result.first_logp)
 
   def skip(carry: TurnCarry):
     stats = StepStats.zeros((config.epochs, config.minibatches))
-    return carry, (stats, carry.correction, carry.previous_old_logp)
+    pending = carry.correction
+    return carry, (stats, pending.factor, pending.pending_old_logp)
 
   new_carry, (stats, applied_correction, logp) = jax.lax.cond(has_turn, run, skip, carry)
   metrics = stats.mean_over_applied()
@@ -436,13 +445,8 @@ def _update_turn(fns, batch, generated, advantages, ref_logp, turn_key, carry: T
   return new_carry, metrics
 
 
-def _sequential_update(fns, state, batch, generated, advantages, ref_logp, key):
-  """SeeUPO: the turn scan.
-
-  Returns:
-    (state, per-turn metrics {name: float32[T]} indexed by turn id, bool[T] turns
-    present, the sampler/learner gap metrics at the starting params).
-  """
+def _sequential_update(fns, state, batch, generated, advantages, ref_logp, key) -> SequentialResult:
+  """SeeUPO: M <- 1, then `_update_turn` for each turn in the update order (a `lax.scan`)."""
   config = fns.config
   order_key, turn_key = jax.random.split(key)
   order = losses.update_order(
@@ -453,22 +457,19 @@ def _sequential_update(fns, state, batch, generated, advantages, ref_logp, key):
   )
   has_turn = batch_lib.turns_present(batch, config.num_turns)  # bool[T] by turn id
   body = functools.partial(_update_turn, fns, batch, generated, advantages, ref_logp, turn_key)
-  zeros = jnp.zeros(batch.tokens.shape, jnp.float32)
-  carry = TurnCarry(state, jnp.ones((batch.num_rows,), jnp.float32), zeros, zeros)
+  carry = TurnCarry(state, objectives.Correction.start(batch.tokens.shape))
   carry, per_position = jax.lax.scan(body, carry, order)
   # The gap at the start of the update: that of the first turn updated.
   positions = jnp.arange(config.num_turns)
   first = jnp.min(jnp.where(has_turn[order], positions, config.num_turns - 1))
-  gap = {name: per_position.pop(name)[first] for name in _GAP_METRICS}
+  gap = {name: per_position.pop(name)[first] for name in metrics_lib.GAP}
   # Scan outputs are in update order; index them by turn id.
   per_turn = jax.tree.map(lambda v: jnp.zeros_like(v).at[order].set(v), per_position)
-  return carry.state, per_turn, has_turn, gap
+  return SequentialResult(carry.state, per_turn, has_turn, gap)
 
 
 # ----------------------------------------------------------------------------------------------
 # The update.
-
-_GAP_METRICS = ("sample_logp_gap_mean", "sample_logp_gap_max")
 
 
 def _sample_gap(batch: Batch, logp: Array, mask: Array) -> dict[str, Array]:
@@ -480,64 +481,99 @@ def _sample_gap(batch: Batch, logp: Array, mask: Array) -> dict[str, Array]:
   }
 
 
-def update(fns: UpdateFns, state: TrainState, batch: Batch, key: Array):
-  """One training iteration; see the module doc and `make_update`."""
+def _advantages(fns: UpdateFns, state: TrainState, batch: Batch, mask: Array):
+  """(advantages float32[N] or [N, L], PPO's old values and returns or None) by the record's
+  `advantage`."""
   config = fns.config
-  batch_lib.check_shapes(batch)
+  if config.spec.advantage == "gae":
+    old_values = _values(fns, state.critic_params, batch)
+    advantages, returns = objectives.ppo_advantages(batch.rewards, old_values, mask, config)
+    return advantages, old_values, returns
+  advantages = objectives.trajectory_advantages(
+    batch.rewards, batch.group_ids, batch.row_valid, config
+  )
+  if config.gamma != 1.0:
+    # [N, L]: turn t of a row with T_i turns gets A * gamma^(T_i - 1 - t).
+    turn_discounts = objectives.turn_discounts(batch.turn_ids, mask, config.gamma)
+    advantages = advantages[:, None] * turn_discounts
+  return advantages, None, None
+
+
+def _sequential_metrics(result: SequentialResult) -> dict[str, Array]:
+  """SeeUPO's metrics: per turn under "turn/<name>", and over the turns some row has."""
+  per_turn, has_turn = result.per_turn, result.has_turn
+  metrics = dict(result.gap)
+  metrics.update({f"turn/{name}": value for name, value in per_turn.items()})
+  turns = jnp.maximum(jnp.sum(has_turn), 1)
+  for name, value in per_turn.items():
+    if name in metrics_lib.COUNTS + ("trajectories",):
+      metrics[name] = jnp.sum(value)
+    elif name not in ("M_min", "M_max"):
+      metrics[name] = jnp.sum(jnp.where(has_turn, value, 0.0)) / turns
+  metrics["M_min"] = jnp.min(jnp.where(has_turn, per_turn["M_min"], jnp.inf))
+  metrics["M_max"] = jnp.max(jnp.where(has_turn, per_turn["M_max"], -jnp.inf))
+  metrics["turns_updated"] = jnp.sum(has_turn)
+  return metrics
+
+
+def _check_state(fns: UpdateFns, state: TrainState) -> None:
+  config = fns.config
   if config.kl_coef > 0 and state.ref_params is None:
     raise ValueError(
       "LearnerConfig.kl_coef > 0 needs reference params: init_state(params, optimizer, "
       "ref_params=params), or set kl_coef=0"
     )
-  if (config.algorithm == "ppo") != (state.critic_params is not None):
+  if config.spec.critic != (state.critic_params is not None):
     raise ValueError(
       "algorithm='ppo' needs a critic (init_state(..., critic_params=..., critic_optimizer=...) "
       "and make_update(..., value_fn=..., critic_optimizer=...)); other algorithms take none"
     )
+
+
+def _shape_rewards(config: LearnerConfig, batch: Batch) -> tuple[Batch, dict[str, Array]]:
+  """DAPO's options on the batch: dynamic sampling (rows of groups whose rewards are all equal
+  become invalid rows) and overlong reward shaping; with both off the batch is unchanged."""
+  metrics = {}
+  if config.dynamic_sampling:
+    keep, dropped = objectives.informative_groups(batch.rewards, batch.group_ids, batch.row_valid)
+    metrics["groups_dropped"] = dropped
+    metrics["rows_dropped"] = jnp.sum((batch.row_valid & ~keep).astype(jnp.float32))
+    batch = batch.replace(row_valid=keep)
+  if config.overlong_max_tokens is not None:
+    lengths = jnp.sum(batch_lib.generated_mask(batch, config.num_turns), axis=1)
+    penalty = objectives.overlong_penalty(
+      lengths, config.overlong_max_tokens, config.overlong_cache_tokens
+    )
+    metrics["overlong_penalty_mean"] = jnp.sum(penalty * batch.row_valid) / jnp.maximum(
+      jnp.sum(batch.row_valid.astype(jnp.float32)), 1.0
+    )
+    batch = batch.replace(rewards=batch.rewards.astype(jnp.float32) + penalty)
+  return batch, metrics
+
+
+def update(fns: UpdateFns, state: TrainState, batch: Batch, key: Array):
+  """One training iteration; see the module doc and `make_update`."""
+  config = fns.config
+  batch_lib.check_shapes(batch)
+  _check_state(fns, state)
+  batch, shaping_metrics = _shape_rewards(config, batch)
   mask = batch_lib.generated_mask(batch, config.num_turns)
   ref_logp = None
   if config.kl_coef > 0:
     ref_logp = _logprobs(fns, state.ref_params, batch)
-  metrics = {}
+  advantages, old_values, returns = _advantages(fns, state, batch, mask)
 
-  if config.algorithm == "ppo":
-    old_values = _values(fns, state.critic_params, batch)
-    advantages, returns = objectives.ppo_advantages(batch.rewards, old_values, mask, config)
-    inputs = objectives.LossInputs(None, ref_logp, advantages, mask, old_values, returns)
-    state, stats, logp, _ = _optimise_from_start(fns, state, batch, inputs, key)
-    metrics.update(stats.mean_over_applied())
-    metrics.update(_sample_gap(batch, logp, mask))
-    advantage_rows = advantages
+  if config.spec.sequential:
+    result = _sequential_update(fns, state, batch, mask, advantages, ref_logp, key)
+    state, metrics = result.state, _sequential_metrics(result)
   else:
-    advantages = objectives.trajectory_advantages(
-      batch.rewards, batch.group_ids, batch.row_valid, config
-    )
-    if config.gamma != 1.0:
-      # [N, L]: turn t of a row with T_i turns gets A * gamma^(T_i - 1 - t).
-      turn_discounts = objectives.turn_discounts(batch.turn_ids, mask, config.gamma)
-      advantages = advantages[:, None] * turn_discounts
-    advantage_rows = (advantages[:, None] if advantages.ndim == 1 else advantages) * mask
-    if config.sequential:
-      state, per_turn, has_turn, gap = _sequential_update(
-        fns, state, batch, mask, advantages, ref_logp, key
-      )
-      metrics.update(gap)
-      metrics.update({f"turn/{name}": value for name, value in per_turn.items()})
-      turns = jnp.maximum(jnp.sum(has_turn), 1)
-      for name, value in per_turn.items():
-        if name in ("optimizer_steps", "skipped_updates", "trajectories"):
-          metrics[name] = jnp.sum(value)
-        elif name not in ("M_min", "M_max"):
-          metrics[name] = jnp.sum(jnp.where(has_turn, value, 0.0)) / turns
-      metrics["M_min"] = jnp.min(jnp.where(has_turn, per_turn["M_min"], jnp.inf))
-      metrics["M_max"] = jnp.max(jnp.where(has_turn, per_turn["M_max"], -jnp.inf))
-      metrics["turns_updated"] = jnp.sum(has_turn)
-    else:
-      inputs = objectives.LossInputs(None, ref_logp, advantages, mask)
-      state, stats, logp, _ = _optimise_from_start(fns, state, batch, inputs, key)
-      metrics.update(stats.mean_over_applied())
-      metrics.update(_sample_gap(batch, logp, mask))
+    inputs = objectives.LossInputs(None, ref_logp, advantages, mask, old_values, returns)
+    result = _optimise_from_start(fns, state, batch, inputs, key)
+    state, metrics = result.state, result.stats.mean_over_applied()
+    metrics.update(_sample_gap(batch, result.first_logp, mask))
 
+  metrics.update(shaping_metrics)
+  advantage_rows = (advantages[:, None] if advantages.ndim == 1 else advantages) * mask
   tokens = jnp.maximum(jnp.sum(mask), 1.0)
   metrics["advantage_abs_mean"] = jnp.sum(jnp.abs(advantage_rows) * mask) / tokens
   metrics["generated_tokens"] = jnp.sum(mask)
@@ -622,7 +658,7 @@ def make_update(
   """
   if not isinstance(config, LearnerConfig):
     raise TypeError(f"config must be a LearnerConfig, got {type(config).__name__}")
-  if (config.algorithm == "ppo") != (value_fn is not None and critic_optimizer is not None):
+  if config.spec.critic != (value_fn is not None and critic_optimizer is not None):
     raise ValueError(
       "make_update: algorithm='ppo' needs value_fn and critic_optimizer (e.g. "
       "learner.qwen_value_fn(model_config) and an optax optimizer); other algorithms take neither"

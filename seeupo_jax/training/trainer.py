@@ -216,7 +216,7 @@ def _build(config: ml_collections.ConfigDict) -> Program:
   learner_config = learner.LearnerConfig(num_turns=r.max_turns, **learner_fields)
   optimizer = build_optimizer(config.optimizer)
   logprob_fn = learner.qwen_logprob_fn(model_config, temperature=r.temperature)
-  ppo = learner_config.algorithm == "ppo"
+  ppo = learner_config.spec.critic
   critic_optimizer = build_optimizer(config.optimizer) if ppo else None
   update = learner.make_update(
     logprob_fn,
