@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from seeupo_jax import chat_tokens
 from seeupo_jax import decode_layout
@@ -443,6 +444,9 @@ def _train(config, workdir: str, program: Program) -> dict[str, float]:
         rng, k_rollout, k_update = jax.random.split(rng, 3)
         tasks = stream.take(config.rollout.tasks_per_iteration)
         with jax.set_mesh(program.decode.mesh):  # the sampler on the decode layout
+          # The key comes from the learner's (checkpointed, on the learner's mesh): replicated
+          # on the decode mesh like every other input of the sampler.
+          k_rollout = jax.device_put(k_rollout, NamedSharding(program.decode.mesh, P()))
           result = program.roller.run(
             program.decode(state.params), tasks, config.rollout.samples_per_task, k_rollout
           )
