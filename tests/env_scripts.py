@@ -6,7 +6,7 @@
     "spin"      holds the CPU (and, in one process, the GIL) for ever
     "alloc:MB"  allocates MB megabytes
     "die"       kills its own process with SIGKILL
-    "die-once:PATH"  the same, once: only if PATH does not exist (created first)
+    "die-once:PATH"  the same, once: only the episode that creates PATH (O_EXCL)
     "raise"     raises ConnectionError("server down") (the environment's fault)
     anything else: "step <k>: <reply>" where k counts the replies that ran
 
@@ -50,9 +50,11 @@ class Scripted:
     elif text == "die":
       os.kill(os.getpid(), signal.SIGKILL)
     elif text.startswith("die-once:"):
-      path = text.split(":", 1)[1]
-      if not os.path.exists(path):
-        open(path, "w").close()
+      try:  # atomic: of episodes racing here in several workers, exactly one dies
+        os.close(os.open(text.split(":", 1)[1], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+      except FileExistsError:
+        pass
+      else:
         os.kill(os.getpid(), signal.SIGKILL)
     elif text == "raise":
       raise ConnectionError("server down")
