@@ -435,7 +435,8 @@ class ProcessWorkers:
     """One request to the slot's process: (its answer, a digest of the answer's bytes).
 
     Raises _TimedOut / _Died / _OutOfMemory / EnvCallFailed (the environment raised). A
-    timed-out or dead process is discarded.
+    timed-out, dead or out-of-memory process is discarded (a restart: the next call starts
+    another).
     """
     self._ensure_running(worker)
     try:
@@ -445,11 +446,13 @@ class ProcessWorkers:
       answered = True  # recv below reports the death
     if not answered:
       self._discard(worker)
+      self._count("restarts")
       raise _TimedOut()
     try:
       raw = worker.conn.recv_bytes()
     except (EOFError, OSError):
       code = self._discard(worker)
+      self._count("restarts")
       raise _Died(f"its env worker process died ({_exit_description(code)})") from None
     status, *rest = pickle.loads(raw)
     if status == "ok":
@@ -458,8 +461,20 @@ class ProcessWorkers:
     logging.info("env worker %d, %s:\n%s", worker.index, op, trace)
     if status == "fatal":
       self._discard(worker)
+      self._count("restarts")
       raise _OutOfMemory(message)
     raise EnvCallFailed(f"{op} failed: {message}")
+
+  def _environment_call(self, worker, op, episode_id, arg, limit, what: str):
+    """`_request` where a stopped or dead worker is the environment's fault (everything but a
+    reply's step): its answer and digest, or EnvCallFailed("<what> took longer than ..." or
+    "<what> failed: ...")."""
+    try:
+      return self._request(worker, op, episode_id, arg, limit)
+    except _TimedOut:
+      raise EnvCallFailed(f"{what} took longer than {limit:g} s") from None
+    except (_Died, _OutOfMemory) as e:
+      raise EnvCallFailed(f"{what} failed: {e}") from None
 
   def _restore(self, worker: _Worker, episode: Episode) -> None:
     """Rebuilds the episode's environment in the slot's current process, if it is not there."""
@@ -470,16 +485,14 @@ class ProcessWorkers:
     calls = [("reset", episode.task_id)] + [("step", text) for text in episode.replies]
     for k, ((op, arg), digest) in enumerate(zip(calls, episode.digests)):
       what = "its reset" if k == 0 else f"its reply {k}"
-      try:
-        _, answer = self._request(worker, op, episode.episode_id, arg, limit)
-      except _TimedOut:
-        self._count("restarts")
-        raise EnvCallFailed(
-          f"restoring the episode in a fresh worker: replaying {what} took longer than {limit:g} s"
-        ) from None
-      except (_Died, _OutOfMemory) as e:
-        self._count("restarts")
-        raise EnvCallFailed(f"restoring the episode in a fresh worker: {what}: {e}") from None
+      _, answer = self._environment_call(
+        worker,
+        op,
+        episode.episode_id,
+        arg,
+        limit,
+        f"restoring the episode in a fresh worker: replaying {what}",
+      )
       if answer != digest:
         raise EnvCallFailed(
           f"restoring the episode in a fresh worker: replaying {what} answered differently (the "
@@ -498,14 +511,9 @@ class ProcessWorkers:
     limit = self.config.call_timeout_s
     try:
       with worker.lock:
-        try:
-          reset, digest = self._request(worker, "reset", episode.episode_id, task_id, limit)
-        except _TimedOut:
-          self._count("restarts")
-          raise EnvCallFailed(f"reset({task_id!r}) took longer than {limit:g} s") from None
-        except (_Died, _OutOfMemory) as e:
-          self._count("restarts")
-          raise EnvCallFailed(f"reset({task_id!r}) failed: {e}") from None
+        reset, digest = self._environment_call(
+          worker, "reset", episode.episode_id, task_id, limit, f"reset({task_id!r})"
+        )
         episode.generation = worker.generation
     except BaseException:
       with self._placement:
@@ -524,18 +532,15 @@ class ProcessWorkers:
         step, digest = self._request(worker, "step", episode.episode_id, text, limit)
       except _TimedOut:
         self._count("timeouts")
-        self._count("restarts")
         logging.warning(
           "task %s: a step ran past %g s; its worker was replaced", episode.task_id, limit
         )
         return stopped_step(f"took longer than {limit:g} s")
       except _OutOfMemory as e:
         self._count("out_of_memory")
-        self._count("restarts")
         logging.warning("task %s: a step ran its worker out of memory (%s)", episode.task_id, e)
         return stopped_step(f"needed more than {self.config.memory_limit_mb} MB of memory")
       except _Died as e:
-        self._count("restarts")
         raise EnvCallFailed(f"step failed: {e}") from None
     episode.replies.append(text)
     episode.digests.append(digest)
@@ -546,14 +551,7 @@ class ProcessWorkers:
     limit = self.config.call_timeout_s * (1 + len(episode.replies))
     with worker.lock:
       self._restore(worker, episode)
-      try:
-        return self._request(worker, "score", episode.episode_id, None, limit)[0]
-      except _TimedOut:
-        self._count("restarts")
-        raise EnvCallFailed(f"score took longer than {limit:g} s") from None
-      except (_Died, _OutOfMemory) as e:
-        self._count("restarts")
-        raise EnvCallFailed(f"score failed: {e}") from None
+      return self._environment_call(worker, "score", episode.episode_id, None, limit, "score")[0]
 
   def close(self, episode: Episode) -> None:
     if episode.closed:
@@ -568,8 +566,6 @@ class ProcessWorkers:
       try:
         self._request(worker, "close", episode.episode_id, None, self.config.call_timeout_s)
       except (_TimedOut, _Died, _OutOfMemory, EnvCallFailed) as e:
-        if not isinstance(e, EnvCallFailed):
-          self._count("restarts")
         logging.warning("task %s: close() failed: %s", episode.task_id, e or type(e).__name__)
 
   def affinity(self, episode: Episode) -> Optional[int]:
