@@ -17,7 +17,18 @@ Medians over rounds; the report gives the ratios, SeeUPO's ratio to its floor
 (T steps + 1 forward) and the share of the separate passes' time spent in
 forward passes.
 
+Two batch profiles. `uniform` (the default): every row has all T turns, equal
+lengths. `bfcl` (BFCL-shaped, T = 10): a prompt of 1400 tokens, then turns of
+150-200 tokens each (half the model's reply, half the tool output), the rows'
+trajectories ending at turns spread evenly from 3 to 10, right-padded: here
+SeeUPO's turns run on the rows that have them and on the prefix that ends with
+them (`LearnerConfig.turn_buckets`), where GSPO's one step runs on the whole
+batch. `--extra-buckets 1,8` adds SeeUPO with turn_buckets = 1 (every turn on
+the whole batch at full length, as before) and 8, timed in the same rounds.
+
   .venv/bin/python benchmarks/bench_learner.py                       # qwen3-bench, 16 x 512, T = 4 and 8
+  .venv/bin/python benchmarks/bench_learner.py --profile bfcl --batch 8 --attn-block 512 \
+      --extra-buckets 1 --rounds 1                                   # BFCL-shaped, T = 10 (~35 min CPU)
   .venv/bin/python benchmarks/bench_learner.py --preset qwen3-0.6b --dtype bfloat16 \
       --peak-tflops 989                                              # GPU: adds MFU
 """
@@ -75,6 +86,40 @@ def make_batch(rows: int, length: int, num_turns: int, vocab: int, seed: int = 0
   )
 
 
+BFCL_TURNS = 10
+BFCL_PROMPT = 1400
+BFCL_TURN_TOKENS = (150, 200)
+
+
+def make_bfcl_batch(rows: int, vocab: int, seed: int = 0) -> learner.Batch:
+  """A BFCL-shaped batch: a 1400-token prompt, then turns of 150-200 tokens (the reply, then
+  the tool output, half each); row i ends after turn 3 + (i mod 8), so the trajectories end
+  at turns spread evenly from 3 to 10. L: the longest row, rounded up to a multiple of 128."""
+  rng = np.random.default_rng(seed)
+  ends = [3 + i % (BFCL_TURNS - 2) for i in range(rows)]
+  spans = rng.integers(BFCL_TURN_TOKENS[0], BFCL_TURN_TOKENS[1] + 1, (rows, BFCL_TURNS))
+  lengths = [BFCL_PROMPT + int(spans[i, : ends[i]].sum()) for i in range(rows)]
+  length = -(-max(lengths) // 128) * 128
+  tokens = rng.integers(0, vocab, (rows, length)).astype(np.int32)
+  valid = np.zeros((rows, length), bool)
+  turn_ids = np.full((rows, length), -1, np.int32)
+  for i in range(rows):
+    start = BFCL_PROMPT
+    for t in range(ends[i]):
+      turn_ids[i, start : start + spans[i, t] // 2] = t  # the reply; the tool output follows
+      start += spans[i, t]
+    valid[i, : lengths[i]] = True
+  return learner.Batch(
+    tokens=np.where(valid, tokens, 0),
+    token_valid=valid,
+    turn_ids=turn_ids,
+    sample_logp=np.zeros((rows, length), np.float32),
+    rewards=rng.normal(size=rows).astype(np.float32),
+    group_ids=(np.arange(rows) // 4).astype(np.int32),
+    row_valid=np.ones(rows, bool),
+  )
+
+
 def matmul_params(config) -> int:
   d, f, l = config.hidden_size, config.intermediate_size, config.num_layers
   attn = d * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
@@ -86,7 +131,11 @@ def main():
   parser.add_argument("--preset", default="qwen3-bench", choices=sorted(config_lib.PRESETS))
   parser.add_argument("--batch", type=int, default=16)
   parser.add_argument("--seq", type=int, default=512)
-  parser.add_argument("--turns", default="4,8", help="comma-separated T values")
+  parser.add_argument("--turns", default="4,8", help="comma-separated T values (uniform)")
+  parser.add_argument("--profile", default="uniform", choices=("uniform", "bfcl"))
+  parser.add_argument(
+    "--extra-buckets", default="", help="comma-separated turn_buckets of extra SeeUPO variants"
+  )
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--dtype", default="float32", choices=config_lib.DTYPES)
   parser.add_argument("--remat", default="dots", choices=config_lib.REMAT_POLICIES)
@@ -131,19 +180,33 @@ def main():
     "preset": args.preset,
     "dtype": args.dtype,
     "batch": [args.batch, args.seq],
+    "profile": args.profile,
     "turns": {},
   }
+  extra = [int(k) for k in args.extra_buckets.split(",") if k]
+  variants = {"seeupo": None}  # name -> turn_buckets (None: the default)
+  if args.profile == "uniform":
+    variants["seeupo_separate"] = None
+  variants.update({f"seeupo_k{k}": k for k in extra})
+  variants["gspo"] = None
+  turn_counts = [int(t) for t in args.turns.split(",")]
+  if args.profile == "bfcl":
+    turn_counts = [BFCL_TURNS]
   with jax.set_mesh(mesh):
     step_params, step_opt = jax.tree.map(jnp.copy, params), optimizer.init(params)
     jax.block_until_ready(forward(params, batch0))
     jax.block_until_ready(optimizer_step(step_params, step_opt, batch0))
-    for num_turns in [int(t) for t in args.turns.split(",")]:
-      batch = learner.shard_batch(
-        make_batch(args.batch, args.seq, num_turns, config.vocab_size), mesh
-      )
+    for num_turns in turn_counts:
+      if args.profile == "bfcl":
+        host_batch = make_bfcl_batch(args.batch, config.vocab_size)
+      else:
+        host_batch = make_batch(args.batch, args.seq, num_turns, config.vocab_size)
+      batch = learner.shard_batch(host_batch, mesh)
       updates, states, compile_s = {}, {}, {}
-      for name in ("seeupo", "seeupo_separate", "gspo"):
+      for name, buckets in variants.items():
         cfg = learner.LearnerConfig(algorithm=name.split("_")[0], num_turns=num_turns)
+        if buckets is not None:
+          cfg = cfg.replace(turn_buckets=buckets)
         fuse = name != "seeupo_separate"
         updates[name] = learner.make_update(logprob_fn, optimizer, cfg, fuse_forward=fuse)
         states[name] = new_state()
@@ -151,7 +214,8 @@ def main():
         states[name], metrics = updates[name](states[name], batch, jax.random.key(1))
         jax.block_until_ready(metrics)
         compile_s[name] = time.perf_counter() - start  # compile + first run
-      times = {name: [] for name in (*updates, "forward", "optimizer_step")}
+      passes = ("forward", "optimizer_step") if args.profile == "uniform" else ()
+      times = {name: [] for name in (*updates, *passes)}
       for r in range(args.rounds):
         order = list(times)
         for name in order if r % 2 == 0 else order[::-1]:
@@ -166,6 +230,30 @@ def main():
             jax.block_until_ready(step_params)
           times[name].append(time.perf_counter() - start)
       med = {name: statistics.median(values) for name, values in times.items()}
+      if args.profile == "bfcl":
+        row = {
+          "batch": list(host_batch.tokens.shape),
+          "generated_tokens": int(np.sum(host_batch.turn_ids >= 0)),
+          "valid_tokens": int(np.sum(host_batch.token_valid)),
+          "gspo_s": round(med["gspo"], 4),
+          "compile_and_first_s": {k: round(v, 1) for k, v in compile_s.items()},
+          "rounds": {k: [round(v, 4) for v in vs] for k, vs in times.items()},
+        }
+        for name in variants:
+          if name != "gspo":
+            row[f"{name}_s"] = round(med[name], 4)
+            row[f"{name}_over_T_gspo"] = round(med[name] / (num_turns * med["gspo"]), 3)
+        results["turns"][str(num_turns)] = row
+        print(
+          f"bfcl T={num_turns}: gspo {med['gspo']:.3f} s; "
+          + ", ".join(
+            f"{name} {med[name]:.3f} s ({row[name + '_over_T_gspo']} T)"
+            for name in variants
+            if name != "gspo"
+          ),
+          file=sys.stderr,
+        )
+        continue
       floor = num_turns * med["optimizer_step"] + med["forward"]
       row = {
         "seeupo_s": round(med["seeupo"], 6),
@@ -186,6 +274,10 @@ def main():
         "compile_and_first_s": {k: round(v, 1) for k, v in compile_s.items()},
         "rounds": {k: [round(v, 4) for v in vs] for k, vs in times.items()},
       }
+      for name in variants:
+        if name.startswith("seeupo_k"):
+          row[f"{name}_s"] = round(med[name], 4)
+          row[f"{name}_over_T_gspo"] = round(med[name] / (num_turns * med["gspo"]), 3)
       if args.peak_tflops:
         # SeeUPO (fused): T steps (3x forward flops) + the reference forward.
         flops = tokens * flops_per_token * (3 * num_turns + 1)
@@ -194,7 +286,12 @@ def main():
       print(
         f"T={num_turns}: seeupo {med['seeupo']:.3f} s, gspo {med['gspo']:.3f} s "
         f"({row['seeupo_over_gspo']}x, {row['seeupo_over_T_gspo']} of T x gspo), "
-        f"floor ratio {row['seeupo_over_floor']}, separate passes {row['separate_over_fused']}x",
+        f"floor ratio {row['seeupo_over_floor']}, separate passes {row['separate_over_fused']}x"
+        + "".join(
+          f", {name} {med[name]:.3f} s ({row[name + '_over_T_gspo']} T)"
+          for name in variants
+          if name.startswith("seeupo_k")
+        ),
         file=sys.stderr,
       )
   print(json.dumps(results, indent=1))

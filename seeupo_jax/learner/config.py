@@ -18,6 +18,9 @@ ALGORITHMS = tuple(algorithms.REGISTRY)
 
 NORMALISATIONS = ("none", "group", "batch")
 
+TIS_LEVELS = ("off", "token", "sequence")
+"""`LearnerConfig.tis`: truncated importance sampling between the sampler and the learner."""
+
 DEFAULT_NORMALISATION = {name: spec.normalisation for name, spec in algorithms.REGISTRY.items()}
 """The advantage normalisation each algorithm is defined with (`normalisation=None`)."""
 
@@ -81,6 +84,22 @@ class LearnerConfig:
       algorithm; None: off. A trajectory with |y| generated tokens (all turns) gets
       R + 0 if |y| <= L_max - L_cache, R + ((L_max - L_cache) - |y|) / L_cache if
       L_max - L_cache < |y| <= L_max, R - 1 beyond (`objectives.overlong_penalty`).
+    tis: the sampler-mismatch correction, one of `TIS_LEVELS`, any algorithm ("off", the
+      default: none). Each token's policy loss is weighted by w = min(pi_old / pi_sampler,
+      tis_cap), pi_sampler from `Batch.sample_logp`, pi_old the learner's own log-probs at
+      the params the update starts from; per token ("token") or one geometric-mean weight
+      per sequence ("sequence": the row's generated tokens; SeeUPO: the turn's)
+      (`objectives.sampler_weights`).
+    tis_cap: C >= 1, the truncation of the TIS weight.
+    turn_buckets: K, SeeUPO only: each turn's passes run on the rows that have the turn (in
+      chunks of 1/K of a micro-batch; chunks without such rows are skipped) and on the prefix
+      that ends with the turn's last token (and the pending turn's, whose M factor the pass
+      gives), rounded up to one of K static lengths ceil(k L / K); 1: every turn runs on the
+      whole batch at full length. The update is the same to float rounding; compile time
+      grows with K (K length programs), not with num_turns (docs/learner.md, "Cost").
+    dapo_max_refills: with `dynamic_sampling`, the training program's extra rollouts per
+      iteration to replace the groups whose rewards are all equal (0: none); the update
+      does not read it.
   """
 
   algorithm: str = "seeupo"
@@ -107,6 +126,10 @@ class LearnerConfig:
   dynamic_sampling: Optional[bool] = None
   overlong_max_tokens: Optional[int] = None
   overlong_cache_tokens: int = 0
+  tis: str = "off"
+  tis_cap: float = 2.0
+  turn_buckets: int = 4
+  dapo_max_refills: int = 3
 
   def __post_init__(self):
     spec = algorithms.get(self.algorithm)
@@ -117,7 +140,7 @@ class LearnerConfig:
         defaulted.append(field)
     # Not a field: the fields left None that took the algorithm's default (`replace` resets them).
     object.__setattr__(self, "_defaulted", tuple(defaulted))
-    for field in ("num_turns", "epochs", "minibatches", "microbatches"):
+    for field in ("num_turns", "epochs", "minibatches", "microbatches", "turn_buckets"):
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise _bad(field, "an int >= 1", value)
@@ -192,6 +215,16 @@ class LearnerConfig:
       raise _bad(
         "overlong_cache_tokens", "0 unless overlong_max_tokens is set", self.overlong_cache_tokens
       )
+    if self.tis not in TIS_LEVELS:
+      raise _bad("tis", f"one of {TIS_LEVELS}", self.tis)
+    if not (
+      isinstance(self.tis_cap, (int, float))
+      and not isinstance(self.tis_cap, bool)
+      and 1.0 <= self.tis_cap < float("inf")
+    ):
+      raise _bad("tis_cap", "a finite float >= 1 (C in min(pi_old / pi_sampler, C))", self.tis_cap)
+    if not _is_int(self.dapo_max_refills) or self.dapo_max_refills < 0:
+      raise _bad("dapo_max_refills", "an int >= 0", self.dapo_max_refills)
 
   @property
   def spec(self) -> algorithms.Algorithm:

@@ -46,6 +46,11 @@ DYNAMIC_SAMPLING = ("groups_dropped", "rows_dropped")
 OVERLONG = ("overlong_penalty_mean",)
 """With `overlong_max_tokens`: the mean overlong penalty over valid rows."""
 
+TIS = ("tis_weight_mean", "tis_truncated_share")
+"""With `tis` on: the mean TIS weight min(pi_old / pi_sampler, C) and the share of weights
+truncated at C, over the generated tokens ("token") or sequences ("sequence"; SeeUPO: the
+(trajectory, turn) pairs), at the update's starting params."""
+
 
 def scalar_names(config) -> tuple[str, ...]:
   """The scalar metrics an update with `config` (a `LearnerConfig`) returns."""
@@ -56,6 +61,8 @@ def scalar_names(config) -> tuple[str, ...]:
     names += DYNAMIC_SAMPLING
   if config.overlong_max_tokens is not None:
     names += OVERLONG
+  if config.tis != "off":
+    names += TIS
   return names
 
 

@@ -176,6 +176,9 @@ class LossInputs(NamedTuple):
       discounts); for SeeUPO already weighted by M (`weigh_advantages`).
     mask: float32[R, L], the tokens this loss trains on.
     old_values, returns: float32[R, L] PPO critic inputs, else None.
+    sample_logp: float32[R, L], the sampler's log-probs, when the first forward pass is still
+      to weigh the advantages by the TIS weight (`LearnerConfig.tis` on, one-pass algorithms;
+      `turn_inputs`); None: nothing left to weigh (TIS off, or folded in already: SeeUPO).
   """
 
   old_logp: Optional[Array]
@@ -184,6 +187,7 @@ class LossInputs(NamedTuple):
   mask: Array
   old_values: Optional[Array] = None
   returns: Optional[Array] = None
+  sample_logp: Optional[Array] = None
 
 
 class Correction(NamedTuple):
@@ -244,22 +248,125 @@ def weigh_advantages(inputs: LossInputs, correction: Array) -> LossInputs:
 def turn_inputs(
   first_logp: Array, inputs: LossInputs, correction: Optional[Correction], config: LearnerConfig
 ) -> tuple[LossInputs, Array]:
-  """The box's "correct M -> A * M" from the turn's first forward pass (SeeUPO).
+  """What the first forward pass settles: TIS's A * w (one-pass algorithms), then the box's
+  "correct M -> A * M" (SeeUPO).
 
   Args:
-    first_logp: float32[R, L], log-probs at the params the turn starts from (after the
-      previous updated turn's update), no gradient.
-    inputs: `LossInputs` with the advantages A.
+    first_logp: float32[R, L], log-probs at the params the turn (or the call) starts from
+      (after the previous updated turn's update), no gradient.
+    inputs: `LossInputs` with the advantages A (and, for TIS still to apply, `sample_logp`).
     correction: the `Correction` of these rows, or None (not sequential: nothing to weigh).
-    config: the correction clips and switch.
+    config: the correction clips and switch, the TIS level and cap.
 
   Returns:
-    (inputs with advantages A * M, M float32[R]; ones without a correction).
+    (inputs with advantages A * w * M and no `sample_logp` left, M float32[R]; ones without a
+    correction).
   """
+  if inputs.sample_logp is not None:
+    weights = sampler_weights(first_logp, inputs.sample_logp, inputs.mask, config)
+    inputs = inputs._replace(
+      advantages=sampler_weighted(inputs.advantages, weights.weight), sample_logp=None
+    )
   if correction is None:
     return inputs, jnp.ones(inputs.mask.shape[:1], jnp.float32)
   factor = correction.corrected(first_logp, config)
   return weigh_advantages(inputs, factor), factor
+
+
+class SamplerWeights(NamedTuple):
+  """Truncated importance weights between the sampler and the learner's old policy (TIS).
+
+  Attributes:
+    weight: float32[R, L], w on the masked tokens (at the sequence level one value per
+      segment, repeated on its tokens), 1 elsewhere; a constant (no gradient).
+    truncated: float32[R, L], 1 on the masked tokens whose ratio exceeded the cap C.
+    share: float32[R, L], each masked token's share of one weighting decision: 1 (token level)
+      or 1/n for the n tokens of its segment (sequence level); 0 elsewhere. sum(share) is the
+      number of decisions, so sum(share * x) / sum(share) is a mean over decisions.
+  """
+
+  weight: Array
+  truncated: Array
+  share: Array
+
+
+def sampler_weights(
+  old_logp: Array,
+  sample_logp: Array,
+  mask: Array,
+  config: LearnerConfig,
+  segments: Optional[Array] = None,
+) -> SamplerWeights:
+  """The TIS weights ("rollout correction") of `LearnerConfig.tis` and `.tis_cap` (C).
+
+    token:     w_it = min(exp(log pi_old(y_it) - log pi_sampler(y_it)), C)
+    sequence:  w_it = min(exp((1/|S|) sum_{u in S} (log pi_old(y_iu) - log pi_sampler(y_iu))), C)
+               for every token t of the segment S that holds it: the masked tokens of row i,
+               or, with `segments`, those of row i with the same segment id (SeeUPO: the turn)
+  The sequence level takes the geometric mean of the token ratios (GSPO's length-normalised
+  ratio, over the same tokens as `losses.sequence_clip_loss`'s s_i), not their product: the
+  product's spread grows exponentially with the length, so a cap C ~ 2 would truncate nearly
+  every long reply and drive the others to ~0. The weight multiplies the policy loss of each
+  token (`sampler_weighted`: the advantages are constants, and every loss is positively
+  homogeneous in them); KL and the critic's loss are not weighted. With pi_old = pi_sampler,
+  w = 1 exactly (C >= 1). See "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+  Training" (Yao et al., 2025, https://fengyao.notion.site/off-policy-rl) and "IMPALA"
+  (https://arxiv.org/abs/1802.01561) for truncated importance sampling.
+
+  Args:
+    old_logp: float32[R, L], the learner's log-probs at the params the rollout was drawn with
+      (the update's starting params), no gradient.
+    sample_logp: float32[R, L], the log-probs the sampler recorded (`Batch.sample_logp`).
+    mask: float32[R, L], the tokens weighted.
+    config: `tis` ("token" or "sequence") and `tis_cap`; `num_turns` bounds `segments`.
+    segments: int32[R, L] in [0, num_turns) on the masked tokens, or None (one segment a row).
+
+  Returns:
+    `SamplerWeights`.
+  """
+  chex.assert_equal_shape([old_logp, sample_logp, mask])
+  mask = mask.astype(jnp.float32)
+  on = mask > 0
+  log_ratio = jnp.where(on, old_logp.astype(jnp.float32) - sample_logp.astype(jnp.float32), 0.0)
+  if config.tis == "token":
+    share = mask
+  elif segments is None:
+    tokens = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0)
+    log_ratio = jnp.where(on, jnp.sum(log_ratio, axis=-1, keepdims=True) / tokens, 0.0)
+    share = mask / tokens
+  else:
+    chex.assert_equal_shape([segments, mask])
+    rows, per_row = mask.shape[0], config.num_turns
+    ids = jnp.arange(rows, dtype=jnp.int32)[:, None] * per_row + segments
+    ids = jnp.where(on, ids, rows * per_row).reshape(-1)  # rows * per_row: "none", dropped
+    sums = jnp.zeros((rows * per_row,), jnp.float32).at[ids].add(log_ratio.reshape(-1), mode="drop")
+    counts = jnp.zeros((rows * per_row,), jnp.float32).at[ids].add(mask.reshape(-1), mode="drop")
+    tokens = jnp.maximum(counts.at[ids].get(mode="fill", fill_value=1.0), 1.0).reshape(mask.shape)
+    segment_sum = sums.at[ids].get(mode="fill", fill_value=0.0).reshape(mask.shape)
+    log_ratio = jnp.where(on, segment_sum / tokens, 0.0)
+    share = mask / tokens
+  ratio = jnp.exp(log_ratio)
+  cap = jnp.float32(config.tis_cap)
+  weight = jnp.where(on, jnp.minimum(ratio, cap), 1.0)
+  truncated = (on & (ratio > cap)).astype(jnp.float32)
+  return SamplerWeights(jax.lax.stop_gradient(weight), truncated, share)
+
+
+def sampler_weighted(advantages: Array, weight: Array) -> Array:
+  """float32[R, L]: the advantages (float32[R] or [R, L]) times the TIS weight float32[R, L]."""
+  if advantages.ndim == 1:
+    advantages = advantages[:, None]
+  return advantages * weight
+
+
+def sampler_weight_stats(weights: SamplerWeights) -> dict[str, Array]:
+  """`metrics.TIS`: the mean weight and the share truncated, over the weighting decisions
+  (tokens, or segments at the sequence level)."""
+  count = jnp.maximum(jnp.sum(weights.share), 1e-6)
+  return {
+    "tis_weight_mean": jnp.sum(weights.weight * weights.share) / count,
+    "tis_truncated_share": jnp.sum(weights.truncated * weights.share) / count,
+  }
 
 
 def aggregation_denominator(mask: Array, agg: str) -> Array:

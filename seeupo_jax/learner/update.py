@@ -20,9 +20,30 @@ With one epoch of one mini-batch the turn's first forward pass is its only
 optimizer step's own (`_optimise_from_start`), so SeeUPO costs T optimizer
 steps plus the reference pass.
 
+With `config.tis` on, each token's policy loss is weighted by the truncated
+importance weight min(pi_old / pi_sampler, C) (`objectives.sampler_weights`):
+the baselines take pi_old from their first pass, SeeUPO from one forward pass at
+the starting params before the turn loop.
+
 The baselines (grpo, gspo, reinforce, rloo, ppo) run the same `_optimise` once
 on all turns. Everything is indexed by trajectory row: M, advantages and
 log-probs never move between rows, and a mini-batch is a gather of whole rows.
+
+Each turn computes only what it needs (`TurnShape`, `config.turn_buckets` = K):
+turn t's loss reads only the rows that have turn t, and, attention being
+causal, only the positions up to its last token. So each turn's passes run on
+those rows, compacted to the front of each mini-batch and cut into chunks of
+1/K of a micro-batch (chunks without such rows are skipped by `lax.cond`), and
+on the prefix that ends with the turn, rounded up to one of K static lengths
+ceil(k L / K) (`lax.switch` over K programs, one per length; the log-probs are
+padded back to L with zeros before the loss, so every loss and aggregation,
+Dr. GRPO's division by L included, sees the full-width arrays). The first pass
+also covers the pending turn's tokens, from which M is corrected. The shape is
+chosen inside the one jitted update from the turn's masks, so one program
+serves every batch and the turn scan stays one scan body: compile time grows
+with K, not with num_turns. Rows and positions left out hold no token of the
+loss (their log-probs enter nothing but zeros), so the update is the same to
+float rounding.
 
 A turn that no trajectory has is skipped by `lax.cond`: params and optimizer
 state stay bit-identical. A mini-batch without tokens of the turn, or whose
@@ -34,8 +55,10 @@ from __future__ import annotations
 
 import collections
 import functools
+import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
+import flax
 import jax
 import jax.numpy as jnp
 import optax
@@ -109,8 +132,9 @@ class StepResult(NamedTuple):
 
   state: TrainState
   stats: StepStats  # of this step (scalars)
-  logp: Array  # float32[micro, R, L], the forward passes' log-probs, before the step
-  correction: Array  # float32[micro, R], the M applied
+  logp: Array  # float32[chunks, R, L], the forward passes' log-probs, before the step
+  correction: Array  # float32[chunks, R], the M applied
+  rows: Array  # int32[chunks, R], the rows of `logp` and `correction`, in their order
 
 
 class OptimiseResult(NamedTuple):
@@ -152,11 +176,35 @@ def _in_row_chunks(fn: Callable[[Batch], Array], batch: Batch, chunk_rows: int) 
   return out.swapaxes(0, 1).reshape((n,) + out.shape[2:])
 
 
-def _logprobs(fns: UpdateFns, params: Params, batch: Batch) -> Array:
-  """float32[N, L] log-probs at `params`, no gradient."""
-  chunk = _micro_rows(fns.config, batch.num_rows)
-  logp = _in_row_chunks(lambda b: fns.logprob_fn(params, b), batch, chunk)
-  return jax.lax.stop_gradient(logp.astype(jnp.float32))
+def _logprobs(
+  fns: UpdateFns, params: Params, batch: Batch, shape: Optional["TurnShape"] = None
+) -> Array:
+  """float32[N, L] log-probs at `params`, no gradient; with a `shape`, only its rows and
+  prefix are computed (0 elsewhere)."""
+  config = fns.config
+  chunk = _micro_rows(config, batch.num_rows)
+  if shape is None:
+    logp = _in_row_chunks(lambda b: fns.logprob_fn(params, b), batch, chunk)
+    return jax.lax.stop_gradient(logp.astype(jnp.float32))
+  n, length = batch.tokens.shape
+  by_chunk = jnp.arange(n, dtype=jnp.int32).reshape(chunk, n // chunk).T  # strided, as above
+  rows, active = _compact_rows(by_chunk, shape.rows, _row_parts(config, chunk))
+
+  def forward(xs):
+    chunk_rows, run = xs
+    sub = batch_lib.take_rows(batch, chunk_rows)
+
+    def at(prefix):
+      return _prefix_logprobs(fns.logprob_fn, params, sub, prefix).astype(jnp.float32)
+
+    return jax.lax.cond(
+      run,
+      lambda: _at_length(shape, length, at),
+      lambda: jnp.zeros((chunk_rows.shape[0], length), jnp.float32),
+    )
+
+  logp = _scatter_rows(rows, jax.lax.map(forward, (rows, active)), n)
+  return jax.lax.stop_gradient(logp)
 
 
 def _values(fns: UpdateFns, critic_params: Params, batch: Batch) -> Array:
@@ -169,6 +217,138 @@ def _values(fns: UpdateFns, critic_params: Params, batch: Batch) -> Array:
 _MICRO_METRICS = ("nonfinite_logp",) + metrics_lib.LOSS
 
 # ----------------------------------------------------------------------------------------------
+# Where a SeeUPO turn's passes run: its rows and its prefix, in a few static shapes.
+
+
+@flax.struct.dataclass
+class TurnShape:
+  """Where one turn's passes run, chosen inside the jitted update from the tokens they need.
+
+  Attributes:
+    rows: bool[N], rows with a token the passes need (the turn's; for its first pass also
+      the pending turn's): the others are left out, in chunks (`_compact_rows`).
+    length: int32 scalar, index into `sizes`: the passes run on the prefix of that many
+      positions, the shortest that holds every needed token.
+    sizes: the static prefix lengths (`_prefix_lengths`), the last one L.
+  """
+
+  rows: Array
+  length: Array
+  sizes: tuple[int, ...] = flax.struct.field(pytree_node=False)
+
+
+def _length_buckets(config: LearnerConfig, length: int) -> tuple[int, ...]:
+  """The K static prefix lengths ceil(k L / K), k = 1..K (fewer if L < K); the last is L."""
+  k = config.turn_buckets
+  return tuple(sorted({-(-length * i // k) for i in range(1, k + 1)}))
+
+
+def _prefix_lengths(fns: "UpdateFns", params: Params, batch: Batch) -> tuple[int, ...]:
+  """The static prefix lengths of the turns' passes: `_length_buckets`, or (L,) (with a
+  warning) when `logprob_fn` does not run on a shorter batch (it must be causal and take any
+  length to be run on a prefix)."""
+  sizes = _length_buckets(fns.config, batch.tokens.shape[1])
+  if len(sizes) == 1:
+    return sizes
+  head = jax.tree.map(lambda x: x[:, : sizes[0]] if x.ndim == 2 else x, batch)
+  try:
+    out = jax.eval_shape(fns.logprob_fn, params, head)
+  except (TypeError, ValueError):
+    out = None
+  if getattr(out, "shape", None) != head.tokens.shape:
+    warnings.warn(
+      "learner: logprob_fn does not run on a prefix of the batch (a shorter L), so SeeUPO's "
+      "turns run at full length (LearnerConfig.turn_buckets still leaves out rows)",
+      stacklevel=2,
+    )
+    return sizes[-1:]
+  return sizes
+
+
+def _turn_shape(
+  config: LearnerConfig, sizes: tuple[int, ...], needed: Array
+) -> Optional[TurnShape]:
+  """The `TurnShape` of the tokens `needed` (float32[N, L] > 0); None with turn_buckets = 1."""
+  if config.turn_buckets == 1:
+    return None
+  length = needed.shape[1]
+  on = needed > 0
+  end = jnp.max(jnp.where(on, jnp.arange(1, length + 1, dtype=jnp.int32)[None, :], 0))
+  index = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), end), len(sizes) - 1)
+  return TurnShape(jnp.any(on, axis=1), index.astype(jnp.int32), sizes)
+
+
+def _covered(shape: Optional[TurnShape], length: int) -> Array:
+  """float32[N, L] (or a scalar 1 without a shape): 1 on the positions a pass of `shape` computes."""
+  if shape is None:
+    return jnp.ones((), jnp.float32)
+  inside = jnp.arange(length)[None, :] < jnp.asarray(shape.sizes, jnp.int32)[shape.length]
+  return (shape.rows[:, None] & inside).astype(jnp.float32)
+
+
+def _row_parts(config: LearnerConfig, rows: int) -> int:
+  """Chunks per micro-batch of `rows` rows: the largest parts <= K that divides it.
+
+  Independent of the mesh, so that an update computes the same sums on any mesh; a chunk's
+  rows are split over the devices holding the batch where they divide (`take_rows`), so pick
+  micro-batches of a multiple of K x those devices' rows.
+  """
+  for parts in range(config.turn_buckets, 1, -1):
+    if rows % parts == 0:
+      return parts
+  return 1
+
+
+def _compact_rows(rows: Array, needed: Array, parts: int) -> tuple[Array, Array]:
+  """A mini-batch's rows with the needed ones first, in chunks, and which chunks to run.
+
+  Args:
+    rows: int32[micro, R], the mini-batch's rows by micro-batch.
+    needed: bool[N], rows the passes need.
+    parts: chunks per micro-batch (R % parts == 0).
+
+  Returns:
+    (int32[micro * parts, R / parts]: the same rows, needed ones first (stable), in
+    consecutive chunks; bool[micro * parts]: chunks that hold a needed row).
+  """
+  flat = rows.reshape(-1)
+  flat = flat[jnp.argsort(~needed[flat], stable=True)]
+  chunks = flat.reshape(rows.shape[0] * parts, -1)
+  count = jnp.sum(needed[flat].astype(jnp.int32))
+  return chunks, jnp.arange(chunks.shape[0]) * chunks.shape[1] < count
+
+
+def _prefix_logprobs(logprob_fn: LogprobFn, params: Params, batch: Batch, prefix: int) -> Array:
+  """logprob_fn on the first `prefix` positions (static), padded back to L with zeros.
+
+  Exact for a causal `logprob_fn` (entry j reads tokens[:, :j + 1] only): the entries kept
+  are those of the full pass.
+  """
+  length = batch.tokens.shape[1]
+  if prefix >= length:
+    return logprob_fn(params, batch)
+  head = jax.tree.map(lambda x: x[:, :prefix] if x.ndim == 2 else x, batch)
+  logp = logprob_fn(params, head)
+  return jnp.pad(logp, ((0, 0), (0, length - prefix)))
+
+
+def _at_length(shape: Optional[TurnShape], length: int, fn):
+  """fn(prefix) for the shape's length bucket (`lax.switch` over its static lengths), or
+  fn(L) without a shape (or with one length)."""
+  if shape is None or len(shape.sizes) == 1:
+    return fn(length)
+  branches = [functools.partial(fn, prefix) for prefix in shape.sizes]
+  return jax.lax.switch(shape.length, branches)
+
+
+def _scatter_rows(rows: Array, values: Array, num_rows: int) -> Array:
+  """values[..., R, ...] by `rows` (int32[..., R], a permutation of 0..N-1) back to row order."""
+  flat = values.reshape((-1,) + values.shape[rows.ndim :])
+  out = jnp.zeros((num_rows,) + flat.shape[1:], flat.dtype)
+  return out.at[rows.reshape(-1)].set(flat)
+
+
+# ----------------------------------------------------------------------------------------------
 # The optimisation ladder: _optimise -> _epoch -> _minibatch_step -> _micro_grads.
 
 
@@ -177,7 +357,14 @@ def _take(inputs: objectives.LossInputs, rows: Array) -> objectives.LossInputs:
 
 
 def _micro_grads(
-  fns: UpdateFns, state: TrainState, batch: Batch, inputs, correction, denominators, rows
+  fns: UpdateFns,
+  state: TrainState,
+  batch: Batch,
+  inputs,
+  correction,
+  denominators,
+  rows,
+  shape: Optional["TurnShape"] = None,
 ) -> MicroResult:
   """Gradient of one micro-batch's share of the mini-batch loss.
 
@@ -185,7 +372,9 @@ def _micro_grads(
   aggregation denominator, so the micro-batch gradients add up to the
   mini-batch gradient exactly. With a `correction` (SeeUPO, fused: this forward
   pass is the turn's first) M is corrected from this pass's log-probs and the
-  advantages weighed by it before the loss is formed (`objectives.turn_inputs`).
+  advantages weighed by it before the loss is formed (`objectives.turn_inputs`). With a
+  `shape` the model runs on its prefix only (`_at_length`: one forward and backward program
+  per length bucket, the loss on the log-probs padded back to L).
   """
   config = fns.config
   sub_batch = batch_lib.take_rows(batch, rows)
@@ -197,8 +386,8 @@ def _micro_grads(
   )
   token_weight = jnp.sum(sub.mask) / jnp.maximum(token_denominator, 1.0)
 
-  def loss_fn(params, critic_params):
-    logp = fns.logprob_fn(params, sub_batch)
+  def loss_fn(params, critic_params, prefix):
+    logp = _prefix_logprobs(fns.logprob_fn, params, sub_batch, prefix)
     seen = jax.lax.stop_gradient(logp)
     loss_inputs, applied = objectives.turn_inputs(seen, sub, sub_correction, config)
     loss, metrics = objectives.policy_loss(logp, loss_inputs, config)
@@ -218,9 +407,12 @@ def _micro_grads(
     metrics["nonfinite_logp"] = jnp.sum(~jnp.isfinite(jnp.where(sub.mask > 0, logp, 0.0)))
     return total, (metrics, seen.astype(jnp.float32), applied)
 
-  (total, (metrics, logp, applied)), grads = jax.value_and_grad(
-    loss_fn, argnums=(0, 1), has_aux=True
-  )(state.params, state.critic_params)
+  def grads_at(prefix):
+    return jax.value_and_grad(
+      functools.partial(loss_fn, prefix=prefix), argnums=(0, 1), has_aux=True
+    )(state.params, state.critic_params)
+
+  (total, (metrics, logp, applied)), grads = _at_length(shape, sub_batch.tokens.shape[1], grads_at)
   return MicroResult(grads, total, metrics, logp, applied)
 
 
@@ -251,24 +443,51 @@ def _apply_gradients(fns: UpdateFns, state: TrainState, grads) -> TrainState:
 
 
 def _minibatch_step(
-  fns: UpdateFns, batch: Batch, inputs, state: TrainState, rows: Array, correction=None
+  fns: UpdateFns,
+  batch: Batch,
+  inputs,
+  state: TrainState,
+  rows: Array,
+  correction=None,
+  shape: Optional[TurnShape] = None,
 ) -> StepResult:
   """One optimizer step on the rows `rows` (int32[microbatches, R]).
 
   The step is taken only if the mini-batch has tokens to train on and its loss
   and gradient are finite; otherwise the state is returned unchanged (a
   non-finite step is counted in `skipped_updates`). `correction`: see `_micro_grads`.
+  With a `shape` the rows it needs go first, in chunks of R / parts rows
+  (`_compact_rows`); a chunk without them is skipped (zero gradient, its log-probs 0,
+  its M unchanged), and each chunk runs on the shape's prefix.
   """
   config = fns.config
-  masks = inputs.mask[rows]  # [micro, R, L]
+  if shape is None:
+    active = jnp.ones(rows.shape[:1], bool)
+  else:
+    rows, active = _compact_rows(rows, shape.rows, _row_parts(config, rows.shape[1]))
+  masks = inputs.mask[rows]  # [chunks, R, L]
   denominators = (
     jnp.sum(jax.vmap(lambda m: objectives.aggregation_denominator(m, config.agg))(masks)),
     jnp.sum(masks),
   )
 
-  def accumulate(carry, micro_rows):
+  def accumulate(carry, xs):
     grads_sum, loss_sum, metrics_sum = carry
-    micro = _micro_grads(fns, state, batch, inputs, correction, denominators, micro_rows)
+    micro_rows, run = xs
+    micro_fn = functools.partial(
+      _micro_grads, fns, state, batch, inputs, correction, denominators, micro_rows
+    )
+    if shape is None:
+      micro = micro_fn()
+    else:
+
+      def skip():
+        empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(micro_fn))
+        # No token of the turn or the pending turn in these rows: their M stays as it is.
+        kept = jnp.ones_like(empty.correction) if correction is None else correction.factor
+        return empty._replace(correction=kept if correction is None else kept[micro_rows])
+
+      micro = jax.lax.cond(run, functools.partial(micro_fn, shape=shape), skip)
     grads_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_sum, micro.grads)
     metrics_sum = {name: metrics_sum[name] + micro.metrics[name] for name in _MICRO_METRICS}
     return (grads_sum, loss_sum + micro.loss, metrics_sum), (micro.logp, micro.correction)
@@ -278,7 +497,7 @@ def _minibatch_step(
   )
   metrics_zero = {name: jnp.zeros((), jnp.float32) for name in _MICRO_METRICS}
   (grads, total, metrics), (logp, applied) = jax.lax.scan(
-    accumulate, (grads_zero, jnp.zeros((), jnp.float32), metrics_zero), rows
+    accumulate, (grads_zero, jnp.zeros((), jnp.float32), metrics_zero), (rows, active)
   )
   grad_norm = optax.global_norm(grads)  # float32, from the float32 sums
   # To the dtype of what the optimizer steps: the float32 masters where kept, else the params.
@@ -302,11 +521,12 @@ def _minibatch_step(
     **{name: metrics[name] for name in StepStats._fields if name in metrics},
   )
   stats = StepStats(*[jnp.asarray(x, jnp.float32) for x in stats])
-  return StepResult(state, stats, logp, applied)
+  return StepResult(state, stats, logp, applied, rows)
 
 
-def _epoch(fns: UpdateFns, batch: Batch, inputs, state: TrainState, epoch_key: Array):
-  """One pass over the rows in a fresh random order, one optimizer step per mini-batch."""
+def _epoch(fns: UpdateFns, batch: Batch, inputs, shape, state: TrainState, epoch_key: Array):
+  """One pass over the rows in a fresh random order, one optimizer step per mini-batch
+  (with a `TurnShape`, on its rows and prefix: `_minibatch_step`)."""
   config = fns.config
   n = batch.num_rows
   micro = _micro_rows(config, n)
@@ -314,20 +534,21 @@ def _epoch(fns: UpdateFns, batch: Batch, inputs, state: TrainState, epoch_key: A
   rows = permutation.reshape(config.minibatches, config.microbatches, micro)
 
   def minibatch_update(state, minibatch_rows):
-    step = _minibatch_step(fns, batch, inputs, state, minibatch_rows)
+    step = _minibatch_step(fns, batch, inputs, state, minibatch_rows, shape=shape)
     return step.state, step.stats
 
   return jax.lax.scan(minibatch_update, state, rows)
 
 
-def _optimise(fns: UpdateFns, state: TrainState, batch: Batch, inputs, key: Array):
-  """`epochs` x `minibatches` optimizer steps on `inputs` (a `LossInputs` over all N rows).
+def _optimise(fns: UpdateFns, state: TrainState, batch: Batch, inputs, key: Array, shape=None):
+  """`epochs` x `minibatches` optimizer steps on `inputs` (a `LossInputs` over all N rows;
+  with a `TurnShape`, each step runs on its rows and prefix).
 
   Returns:
     (state, StepStats of shape [epochs, minibatches]).
   """
   epoch_keys = jax.random.split(key, fns.config.epochs)
-  return jax.lax.scan(functools.partial(_epoch, fns, batch, inputs), state, epoch_keys)
+  return jax.lax.scan(functools.partial(_epoch, fns, batch, inputs, shape), state, epoch_keys)
 
 
 def _fused(fns: UpdateFns) -> bool:
@@ -343,6 +564,7 @@ def _optimise_from_start(
   inputs,
   key: Array,
   correction: Optional[objectives.Correction] = None,
+  shapes: Optional["TurnShapes"] = None,
 ) -> OptimiseResult:
   """First pass -> (SeeUPO: correct M -> A * M) -> `_optimise`.
 
@@ -353,25 +575,37 @@ def _optimise_from_start(
   the only step, so its own forward pass IS the first pass: `inputs.old_logp` is
   None, the loss takes stop_gradient of its own log-probs, and M is corrected
   from the same pass. Otherwise a separate forward pass runs first.
+
+  With `shapes` (SeeUPO) the first pass runs on `shapes.first` and the optimizer steps
+  on `shapes.steps`; `first_logp` is 0 outside the first pass's rows and prefix.
   """
   n = batch.num_rows
+  first_shape, steps_shape = shapes if shapes is not None else (None, None)
   if _fused(fns):
     micro = _micro_rows(fns.config, n)
     rows = jnp.arange(n, dtype=jnp.int32).reshape(micro, fns.config.microbatches).T
-    step = _minibatch_step(fns, batch, inputs, state, rows, correction)
-    # Chunk c holds rows c, c + microbatches, ...: undo the stride.
-    first_logp = step.logp.swapaxes(0, 1).reshape((n,) + step.logp.shape[2:])
-    applied = step.correction.swapaxes(0, 1).reshape(n)
+    step = _minibatch_step(fns, batch, inputs, state, rows, correction, first_shape)
+    first_logp = _scatter_rows(step.rows, step.logp, n)  # back to row order
+    applied = _scatter_rows(step.rows, step.correction, n)
     stats = jax.tree.map(lambda x: x[None, None], step.stats)
     return OptimiseResult(step.state, stats, first_logp, applied)
-  first_logp = _logprobs(fns, state.params, batch)
+  first_logp = _logprobs(fns, state.params, batch, first_shape)
   loss_inputs, applied = objectives.turn_inputs(first_logp, inputs, correction, fns.config)
-  state, stats = _optimise(fns, state, batch, loss_inputs._replace(old_logp=first_logp), key)
+  loss_inputs = loss_inputs._replace(old_logp=first_logp)
+  state, stats = _optimise(fns, state, batch, loss_inputs, key, steps_shape)
   return OptimiseResult(state, stats, first_logp, applied)
 
 
 # ----------------------------------------------------------------------------------------------
 # SeeUPO's turn loop.
+
+
+class TurnShapes(NamedTuple):
+  """Where a turn's passes run (`TurnShape`s): its first pass needs the turn's tokens and the
+  pending turn's (M's "after" log-probs); its optimizer steps only the turn's."""
+
+  first: TurnShape
+  steps: TurnShape
 
 
 class TurnCarry(NamedTuple):
@@ -405,7 +639,9 @@ def _correction_stats(correction: Array, rows: Array, config: LearnerConfig) -> 
   }
 
 
-def _update_turn(fns, batch, generated, advantages, ref_logp, turn_key, carry: TurnCarry, xs):
+def _update_turn(
+  fns, batch, generated, advantages, ref_logp, sizes, turn_key, carry: TurnCarry, xs
+):
   """Updates one turn (virtual agent) if any trajectory has it: the paper's box.
 
     first pass   logp <- log pi at the current params (after the previous updated turn's update)
@@ -414,20 +650,25 @@ def _update_turn(fns, batch, generated, advantages, ref_logp, turn_key, carry: T
     A * M        the turn's advantages
     optimise     epochs x mini-batches of steps on the turn's tokens, old log-probs = logp
   (`_optimise_from_start`; fused, the first pass is the only step's own forward pass). No
-  pass runs after the last turn: its factor would weigh no later turn.
+  pass runs after the last turn: its factor would weigh no later turn. Every pass runs on
+  the rows and the prefix its tokens need (`TurnShapes`; module doc).
   """
   config = fns.config
   turn = xs
   mask = batch_lib.turn_mask(batch, turn)
   rows = jnp.any(mask > 0, axis=1)
   has_turn = jnp.any(rows)
+  first_shape = _turn_shape(config, sizes, mask + carry.correction.pending_mask)
+  shapes = (
+    None if first_shape is None else TurnShapes(first_shape, _turn_shape(config, sizes, mask))
+  )
 
   def run(carry: TurnCarry):
     inputs = objectives.LossInputs(
       old_logp=None, ref_logp=ref_logp, advantages=advantages, mask=mask
     )
     key = jax.random.fold_in(turn_key, turn)
-    result = _optimise_from_start(fns, carry.state, batch, inputs, key, carry.correction)
+    result = _optimise_from_start(fns, carry.state, batch, inputs, key, carry.correction, shapes)
     # This turn's factor is pending: its "after" log-probs come with the next turn's first pass.
     correction = objectives.Correction(result.correction, result.first_logp, mask)
     return TurnCarry(result.state, correction), (result.stats, result.correction, result.first_logp)
@@ -441,7 +682,10 @@ def _update_turn(fns, batch, generated, advantages, ref_logp, turn_key, carry: T
   metrics = stats.mean_over_applied()
   metrics.update(_correction_stats(applied_correction, rows, config))
   metrics["trajectories"] = jnp.sum(rows.astype(jnp.float32))
-  metrics.update(_sample_gap(batch, logp, generated))
+  # Over the generated tokens the first pass computed (at the first turn updated: the rows
+  # with that turn, up to its end).
+  covered = _covered(first_shape, batch.tokens.shape[1])
+  metrics.update(_sample_gap(batch, logp, generated * covered))
   return new_carry, metrics
 
 
@@ -456,7 +700,10 @@ def _sequential_update(fns, state, batch, generated, advantages, ref_logp, key) 
     custom=config.custom_order or None,
   )
   has_turn = batch_lib.turns_present(batch, config.num_turns)  # bool[T] by turn id
-  body = functools.partial(_update_turn, fns, batch, generated, advantages, ref_logp, turn_key)
+  sizes = _prefix_lengths(fns, state.params, batch)
+  body = functools.partial(
+    _update_turn, fns, batch, generated, advantages, ref_logp, sizes, turn_key
+  )
   carry = TurnCarry(state, objectives.Correction.start(batch.tokens.shape))
   carry, per_position = jax.lax.scan(body, carry, order)
   # The gap at the start of the update: that of the first turn updated.
@@ -562,15 +809,34 @@ def update(fns: UpdateFns, state: TrainState, batch: Batch, key: Array):
   if config.kl_coef > 0:
     ref_logp = _logprobs(fns, state.ref_params, batch)
   advantages, old_values, returns = _advantages(fns, state, batch, mask)
+  tis = config.tis != "off"
 
   if config.spec.sequential:
-    result = _sequential_update(fns, state, batch, mask, advantages, ref_logp, key)
+    policy_advantages, tis_metrics = advantages, {}
+    if tis:
+      # The turns start from params that move; TIS weighs the sampler against the params the
+      # rollout was drawn with, once for all turns (one forward pass; M handles the rest).
+      start_logp = _logprobs(fns, state.params, batch)
+      weights = objectives.sampler_weights(
+        start_logp, batch.sample_logp, mask, config, segments=batch.turn_ids
+      )
+      policy_advantages = objectives.sampler_weighted(advantages, weights.weight)
+      tis_metrics = objectives.sampler_weight_stats(weights)
+    result = _sequential_update(fns, state, batch, mask, policy_advantages, ref_logp, key)
     state, metrics = result.state, _sequential_metrics(result)
+    metrics.update(tis_metrics)
   else:
-    inputs = objectives.LossInputs(None, ref_logp, advantages, mask, old_values, returns)
+    # With TIS the first pass (the old log-probs) weighs the advantages (objectives.turn_inputs).
+    sample_logp = batch.sample_logp.astype(jnp.float32) if tis else None
+    inputs = objectives.LossInputs(
+      None, ref_logp, advantages, mask, old_values, returns, sample_logp
+    )
     result = _optimise_from_start(fns, state, batch, inputs, key)
     state, metrics = result.state, result.stats.mean_over_applied()
     metrics.update(_sample_gap(batch, result.first_logp, mask))
+    if tis:
+      weights = objectives.sampler_weights(result.first_logp, batch.sample_logp, mask, config)
+      metrics.update(objectives.sampler_weight_stats(weights))
 
   metrics.update(shaping_metrics)
   advantage_rows = (advantages[:, None] if advantages.ndim == 1 else advantages) * mask

@@ -269,6 +269,9 @@ def learner_config(
     gamma=float(config.gamma),
     gae_lambda=float(config.gae_lambda),
     value_clip=None,
+    # The bandits' log-prob function reads whole rows (one position per turn, not a causal LM
+    # over a prefix): every turn's passes run on the full batch.
+    turn_buckets=1,
   )
 
 

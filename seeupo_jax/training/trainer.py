@@ -12,6 +12,7 @@ One iteration:
 
     tasks  = the next B training tasks (TaskStream, resumable)
     result = roller.run(params, tasks, n, key_rollout)      # N = B x n trajectories
+    (dynamic sampling: refill_informative_groups, more tasks for groups without signal)
     batch  = collate(result.trajectories)                   # tokens exactly as sampled
     state  = update(state, batch, key_update)               # SeeUPO or a baseline
 
@@ -299,6 +300,73 @@ def _scalars(metrics: dict, prefix: str = "") -> dict[str, float]:
   return out
 
 
+REFILL_STREAM = 0x0DA905
+"""Folded into the iteration's rollout key before the refill index: refill r plays with
+fold_in(fold_in(k_rollout, REFILL_STREAM), r), a key no pass of the first rollout uses."""
+
+
+def informative_groups(trajectories) -> list[int]:
+  """The groups (`Trajectory.group`) whose kept trajectories' rewards are not all equal.
+
+  Kept: not `dropped` and not empty, the rows `collate` makes valid. Rewards are compared in
+  float32, as the learner's dynamic-sampling filter does (`objectives.informative_groups`).
+  """
+  rewards: dict[int, set] = {}
+  for t in trajectories:
+    if t.tokens and not t.dropped:
+      rewards.setdefault(t.group, set()).add(float(np.float32(t.reward)))
+  return sorted(g for g, values in rewards.items() if len(values) > 1)
+
+
+def refill_informative_groups(
+  roller,
+  stream: TaskStream,
+  params,
+  key: jax.Array,
+  first: rollout.RolloutResult,
+  *,
+  tasks_per_iteration: int,
+  samples_per_task: int,
+  max_refills: int,
+) -> rollout.RolloutResult:
+  """DAPO's dynamic sampling on the host: informative groups only, refilled with more tasks.
+
+  The groups of `first` whose rewards are all equal (no signal), or that failed, are discarded.
+  While fewer than `tasks_per_iteration` (B) informative groups are held and fewer than
+  `max_refills` refills ran, refill r = 1, 2, ... plays the next B tasks of `stream` with the key
+  fold_in(fold_in(key, REFILL_STREAM), r) (same shapes as the first rollout: no recompilation;
+  the stream's position is checkpointed, so a resumed run draws the same). The first B
+  informative groups in the order drawn are kept, renumbered 0..k-1; informative groups beyond
+  B are discarded with the others. k < B when the refills run out: `collate(num_rows=B x n)`
+  pads the batch with invalid rows.
+
+  Returns:
+    The kept trajectories, with `first`'s metrics (the policy's reward and rollout statistics
+    on B fresh tasks, as without dynamic sampling) and "dapo/refill_rollouts" (refills run),
+    "dapo/informative_groups" (k, the groups in the batch), "dapo/discarded_groups" (every
+    group rolled out this iteration and not in the batch).
+  """
+  kept, rolled, refills, result = [], 0, 0, first
+  while True:
+    rolled += len({t.group for t in result.trajectories})
+    for group in informative_groups(result.trajectories):
+      if len(kept) < tasks_per_iteration:
+        kept.append([t for t in result.trajectories if t.group == group])
+    if len(kept) == tasks_per_iteration or refills == max_refills:
+      break
+    refills += 1
+    refill_key = jax.random.fold_in(jax.random.fold_in(key, REFILL_STREAM), refills)
+    result = roller.run(params, stream.take(tasks_per_iteration), samples_per_task, refill_key)
+  trajectories = [
+    dataclasses.replace(t, group=new_group) for new_group, group in enumerate(kept) for t in group
+  ]
+  metrics = dict(first.metrics)
+  metrics["dapo/refill_rollouts"] = float(refills)
+  metrics["dapo/informative_groups"] = float(len(kept))
+  metrics["dapo/discarded_groups"] = float(rolled - len(kept))
+  return rollout.RolloutResult(trajectories=trajectories, metrics=metrics)
+
+
 def _eval_key(seed: int, iteration: int) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed + 1_000_003), iteration)
 
@@ -437,6 +505,10 @@ def _train(config, workdir: str, program: Program) -> dict[str, float]:
   )
   bar = _progress_bar(config, iteration)
   last: dict[str, float] = {}
+  dynamic_sampling = program.learner_config.dynamic_sampling
+  # With dynamic sampling the batch keeps B x n rows, padded where informative groups ran short.
+  num_rows = config.rollout.tasks_per_iteration * config.rollout.samples_per_task
+  num_rows = num_rows if dynamic_sampling else None
   try:
     with jax.set_mesh(program.mesh):
       while iteration < config.num_iterations:
@@ -447,14 +519,27 @@ def _train(config, workdir: str, program: Program) -> dict[str, float]:
           # The key comes from the learner's (checkpointed, on the learner's mesh): replicated
           # on the decode mesh like every other input of the sampler.
           k_rollout = jax.device_put(k_rollout, NamedSharding(program.decode.mesh, P()))
+          decode_params = program.decode(state.params)
           result = program.roller.run(
-            program.decode(state.params), tasks, config.rollout.samples_per_task, k_rollout
+            decode_params, tasks, config.rollout.samples_per_task, k_rollout
           )
+          if dynamic_sampling:  # DAPO: more tasks until the batch holds B informative groups
+            result = refill_informative_groups(
+              program.roller,
+              stream,
+              decode_params,
+              k_rollout,
+              result,
+              tasks_per_iteration=config.rollout.tasks_per_iteration,
+              samples_per_task=config.rollout.samples_per_task,
+              max_refills=program.learner_config.dapo_max_refills,
+            )
         t1 = time.perf_counter()
         batch = rollout.collate(
           result.trajectories,
           num_turns=program.learner_config.num_turns,
           max_len=config.rollout.max_context_tokens,
+          num_rows=num_rows,
         )
         learner.validate(batch, program.learner_config.num_turns)
         state, learner_metrics = program.update(
