@@ -253,7 +253,7 @@ def _prefix_lengths(fns: "UpdateFns", params: Params, batch: Batch) -> tuple[int
   head = jax.tree.map(lambda x: x[:, : sizes[0]] if x.ndim == 2 else x, batch)
   try:
     out = jax.eval_shape(fns.logprob_fn, params, head)
-  except (TypeError, ValueError):
+  except (TypeError, ValueError, AssertionError):  # AssertionError: chex's shape checks
     out = None
   if getattr(out, "shape", None) != head.tokens.shape:
     warnings.warn(
