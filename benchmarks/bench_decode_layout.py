@@ -1,7 +1,10 @@
 """Collective bytes per decode step: the learner's layout vs the decode layout, 8 simulated devices.
 
-The sampler (`sampling.make_continuer`, one multi-turn call: prefill + decode loop) is compiled
-on 8 simulated CPU devices for each layout of its params:
+The sampler's decode program (the session's `sampling._decode_jit`: the decode loop alone, all
+B rows to the end of their replies in one call, over a paged KV cache `qwen.PagedKVCache` of
+ceil(capacity / page size) pages per row; the prefill is its own program, `_prefill_jit`, whose
+collectives are reported apart) is compiled on 8 simulated CPU devices for each layout of its
+params:
 
   learner       the learner's mesh data=1, fsdp=8: FSDP shards in the param dtype (what the
                 trainer decoded with before `DecodeLayout`)
@@ -12,9 +15,11 @@ on 8 simulated CPU devices for each layout of its params:
 
 and the collective ops of one decode step (one iteration of the decode `while` loop, the layer
 scan inside it counted once per layer) are read from the compiled HLO text
-(`seeupo_jax.hlo_collectives`), with their bytes per device. Also measured: the compiled
-memory (`compiled.memory_analysis()`), the reshard's collectives, memory and time, and, on the
-small model, that every layout samples the same tokens. The same compilation (shapes only,
+(`seeupo_jax.hlo_collectives`), with their bytes per device ("call": the whole decode program;
+"prefill_call": the whole prefill program of `--prompt` / `--big-width` tokens per row). Also
+measured: the compiled memory (`compiled.memory_analysis()`), the reshard's collectives, memory
+and time, and, on the small model (prefill then decode on real arrays), that every layout
+samples the same tokens. The same compilation (shapes only,
 nothing allocated) for `--big-preset` (Qwen3-14B) feeds a time estimate for 8 H100s.
 
   .venv/bin/python benchmarks/bench_decode_layout.py                       # qwen3-bench 16/8 heads + Qwen3-14B
@@ -96,40 +101,88 @@ def make_layouts(model_config, mesh):
   return out
 
 
-def _context_shardings(context, mesh):
+def _rows_shardings(rows, mesh):
+  """`DecodeRows` shardings: the paged cache as `sharding.cache_shardings`, the rest replicated."""
   replicated = NamedSharding(mesh, P())
-  return sampling.Context(
-    cache=sharding.cache_shardings(context.cache, mesh), lengths=replicated, pending=replicated
+  return jax.tree.map(lambda _: replicated, rows).replace(
+    cache=sharding.cache_shardings(rows.cache, mesh)
   )
 
 
-def compile_continuer(model_config, sampling_config, mesh, params, batch, capacity, width):
-  """The compiled `continue_sample` for `params` (arrays or abstract), cache sharded on `mesh`."""
-  cache_sharding = functools.partial(sharding.cache_shardings, mesh=mesh)
-  run = jax.jit(
-    sampling.make_continuer(model_config, sampling_config, cache_sharding=cache_sharding, jit=False)
+def _init_rows(model_config, sampling_config, batch, capacity, page_size):
+  """B idle session rows over a pool of 1 + B x ceil(capacity / page_size) pages."""
+  pages = 1 + batch * -(-capacity // page_size)  # page 0: the scratch page
+  cache = qwen.init_paged_cache(model_config, pages, page_size)
+  return sampling.init_rows(
+    cache,
+    batch,
+    len(sampling_config.stop_token_ids),
+    sampling_config.max_new_tokens,
+    sampling_config.pad_id,
   )
-  context = jax.eval_shape(lambda: sampling.init_context(model_config, batch, capacity))
-  context = _abstract(context, _context_shardings(context, mesh))
-  ids = jax.ShapeDtypeStruct((batch, width), jnp.int32)
-  valid = jax.ShapeDtypeStruct((batch, width), jnp.bool_)
-  key = jax.eval_shape(lambda: jax.random.key(0))
+
+
+def _page_table(batch, capacity, page_size):
+  """int32[B, W]: row b owns pages 1 + b W .. (b + 1) W."""
+  width = -(-capacity // page_size)
+  return jnp.asarray(1 + np.arange(batch * width).reshape(batch, width), jnp.int32)
+
+
+def compile_session(model_config, sampling_config, mesh, params, batch, capacity, page_size, width):
+  """The session's compiled (decode, prefill) programs for `params` (arrays or abstract), the
+  cache sharded on `mesh`, and the abstract rows.
+
+  decode(params, rows, page_table) runs max_new_tokens steps at most (one call to the end);
+  prefill(params, rows, page_table, row_ids, fresh, ids, valid, begin, keys, limits) writes
+  `width` tokens of each of the B rows and begins their replies."""
+  statics = dict(
+    model_config=model_config,
+    sampling_config=sampling_config,
+    cache_sharding=functools.partial(sharding.cache_shardings, mesh=mesh),
+  )
+  rows = jax.eval_shape(
+    lambda: _init_rows(model_config, sampling_config, batch, capacity, page_size)
+  )
+  rows = _abstract(rows, _rows_shardings(rows, mesh))
+  replicated = NamedSharding(mesh, P())  # the session's host inputs
+
+  def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+  table = spec((batch, -(-capacity // page_size)), jnp.int32)
+
+  b = batch
+  prefill_args = (
+    spec((b,), jnp.int32),  # row ids
+    spec((b,), jnp.bool_),  # fresh
+    spec((b, width), jnp.int32),
+    spec((b, width), jnp.bool_),
+    spec((b,), jnp.bool_),  # begin
+    spec((b, 2), jnp.uint32),  # reply keys
+    spec((b,), jnp.int32),  # limits
+  )
   params = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
   )
   with jax.set_mesh(mesh):
-    return run, run.lower(params, context, ids, valid, key).compile(), context
+    decode = sampling._decode_jit.lower(
+      params, rows, table, num_steps=sampling_config.max_new_tokens, **statics
+    ).compile()
+    prefill = sampling._prefill_jit.lower(params, rows, table, *prefill_args, **statics).compile()
+  return decode, prefill, rows
 
 
-def sampler_stats(compiled, context) -> dict:
-  text = compiled.as_text()
+def sampler_stats(decode, prefill, rows) -> dict:
+  text = decode.as_text()
   return {
     "decode_step": hlo_collectives.summarize(
       hlo_collectives.collectives(text, hlo_collectives.dynamic_loop(text))
     ),
     "call": hlo_collectives.summarize(hlo_collectives.collectives(text)),
-    "memory": _memory(compiled),
-    "cache_bytes_per_device": _bytes_per_device(context.cache),
+    "prefill_call": hlo_collectives.summarize(hlo_collectives.collectives(prefill.as_text())),
+    "memory": _memory(decode),
+    "prefill_memory": _memory(prefill),
+    "cache_bytes_per_device": _bytes_per_device(rows.cache),
   }
 
 
@@ -156,22 +209,44 @@ def _run_small(args, model_config, mesh, sampling_config) -> dict:
   b, s = args.batch, args.prompt
   new_ids = jnp.asarray(rng.integers(0, model_config.vocab_size, (b, s)), jnp.int32)
   new_valid = jnp.asarray(np.arange(s)[None, :] >= rng.integers(0, s // 2, (b,))[:, None])
-  key = jax.random.key(1)
+  keys = jax.random.key_data(jax.random.split(jax.random.key(1), b))
+  table = _page_table(b, args.capacity, args.page_size)
   report, outputs = {}, {}
   for name, (m, mc, shardings, layout) in make_layouts(model_config, mesh).items():
     p = learner_params if layout is None else layout(learner_params)
-    run, compiled, context_abstract = compile_continuer(
-      mc, sampling_config, m, p, b, args.capacity, s
+    decode, prefill, rows_abstract = compile_session(
+      mc, sampling_config, m, p, b, args.capacity, args.page_size, s
     )
-    entry = sampler_stats(compiled, context_abstract)
+    entry = sampler_stats(decode, prefill, rows_abstract)
     entry["params_bytes_per_device"] = _bytes_per_device(p)
-    context = jax.device_put(
-      sampling.init_context(mc, b, args.capacity), _context_shardings(context_abstract, m)
+    rows = jax.device_put(
+      _init_rows(mc, sampling_config, b, args.capacity, args.page_size),
+      _rows_shardings(rows_abstract, m),
     )
     with jax.set_mesh(m):
-      out, _ = compiled(p, context, new_ids, new_valid, key)
-      jax.block_until_ready(out)
-    outputs[name] = jax.device_get(out)
+      rows = prefill(
+        p,
+        rows,
+        table,
+        jnp.arange(b, dtype=jnp.int32),
+        jnp.ones((b,), bool),
+        new_ids,
+        new_valid,
+        jnp.ones((b,), bool),
+        keys,
+        jnp.full((b,), sampling_config.max_new_tokens, jnp.int32),
+      )
+      rows, _ = decode(p, rows, table)
+      jax.block_until_ready(rows)
+    rows = jax.device_get(rows)
+    n = sampling_config.max_new_tokens
+    outputs[name] = sampling.SampleOutput(
+      tokens=rows.tokens,
+      logprobs=rows.logprobs,
+      mask=np.arange(n)[None, :] < rows.steps[:, None],
+      lengths=rows.steps,
+      finish_reason=rows.finish_reason,
+    )
     if layout is not None:
       times = []
       for i in range(args.reshard_repeats + 1):  # the first call allocates, the rest donate
@@ -205,10 +280,10 @@ def _run_big(args, model_config, mesh, sampling_config) -> dict:
   report = {}
   for name, (m, mc, shardings, layout) in make_layouts(model_config, mesh).items():
     p = learner_params if layout is None else _abstract(qwen.params_shape(mc), shardings)
-    _, compiled, context = compile_continuer(
-      mc, sampling_config, m, p, args.big_batch, args.big_capacity, args.big_width
+    decode, prefill, rows = compile_session(
+      mc, sampling_config, m, p, args.big_batch, args.big_capacity, args.page_size, args.big_width
     )
-    entry = sampler_stats(compiled, context)
+    entry = sampler_stats(decode, prefill, rows)
     entry["params_bytes_per_device"] = _bytes_per_device(p)
     if layout is not None:
       entry["reshard"] = reshard_stats(layout, learner_params)
@@ -299,12 +374,13 @@ def main(argv=None) -> dict:
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--prompt", type=int, default=16)
   parser.add_argument("--new", type=int, default=16)
-  parser.add_argument("--capacity", type=int, default=128)
+  parser.add_argument("--capacity", type=int, default=128, help="most tokens of a row")
+  parser.add_argument("--page-size", type=int, default=32, help="slots per KV-cache page")
   parser.add_argument("--reshard-repeats", type=int, default=5)
   parser.add_argument("--big-preset", default="qwen3-14b", help="'none' to skip")
   parser.add_argument("--big-batch", type=int, default=64)
-  parser.add_argument("--big-capacity", type=int, default=4096)
-  parser.add_argument("--big-width", type=int, default=128, help="new tokens per row per call")
+  parser.add_argument("--big-capacity", type=int, default=4096, help="most tokens of a row")
+  parser.add_argument("--big-width", type=int, default=128, help="prefill tokens per row per call")
   parser.add_argument("--big-new", type=int, default=512)
   parser.add_argument("--nvlink-gbps", type=float, default=450.0, help="per direction, per GPU")
   parser.add_argument("--hbm-tbps", type=float, default=3.35)
@@ -324,7 +400,8 @@ def main(argv=None) -> dict:
     "small_model": (
       f"{args.preset} (heads {small.num_heads}, kv heads {small.num_kv_heads}), "
       f"{args.param_dtype} params, {args.dtype} compute, batch {args.batch}, "
-      f"{args.prompt} new tokens + {args.new} sampled, capacity {args.capacity}"
+      f"{args.prompt} new tokens + {args.new} sampled, capacity {args.capacity} tokens a row "
+      f"in pages of {args.page_size}"
     ),
   }
   sc = sampling.SamplingConfig(max_new_tokens=args.new, temperature=1.0)

@@ -1,19 +1,26 @@
-"""Multi-turn rollouts: continuing from the kept KV cache vs re-prefilling the whole context.
+"""Multi-turn rollouts: continuing in a sampler session vs re-prefilling the whole context.
 
 One episode = `--turns` turns; each turn appends `--env-tokens` E environment
 tokens to every row (the first turn's E tokens are the prompt) and samples
 exactly `--reply-tokens` R tokens (no stop tokens, so every row runs to R).
 
-  (a) continue: `sampling.make_continuer`, one `Context` kept across the turns
-      (capacity turns x (E + R) slots, so no compaction); each call prefills
-      the pending token + E new tokens and decodes R - 1 steps.
+  (a) continue: a `sampling.SamplerSession` of B rows kept across the turns
+      (each row's paged KV cache holds its conversation; max_context_tokens
+      turns x (E + R), a page pool sized for the whole episode, so it never
+      grows); each turn gives every row its E new tokens (`give`; the row's
+      pending last token goes in front), then `prefill` (one call: prefill
+      chunk >= E + 1) and `decode` calls (R - 1 steps, `--steps-per-sync` per
+      call and host read) until every row's `Reply` is back.
   (b) re-prefill: `sampling.make_sampler` on the whole conversation so far
       (prompt, earlier replies, new tokens: t E + (t - 1) R tokens at turn t).
 
-Both use the same row keys, so they sample the same tokens (the share that
-agrees is reported). Each jitted shape is compiled by one warm-up episode of
-each route; then episodes alternate A B A B ... (`--repeats` of each) and every
-turn's call is timed to `block_until_ready`. The report gives the median time
+Both use the same row keys (the session's reply key of row b = the sampler's
+key of row b), so they sample the same tokens (the share that agrees is
+reported). Each jitted shape is compiled by one warm-up episode of each route
+(a fresh session per episode: the same page-table widths each time); then
+episodes alternate A B A B ... (`--repeats` of each) and every turn is timed
+from its first `give` to its last reply (host arrays), resp. to
+`block_until_ready` of the sampler's call. The report gives the median time
 of each turn for both routes, their ratio, the totals, and the growth with the
 turn index: measured (time of turn t / time of turn 1) against the growth of
 the attention work alone (query-key pairs over the tokens a route feeds the
@@ -76,20 +83,39 @@ def turn_keys(turns: int, batch: int) -> list:
   return [jax.random.split(jax.random.key(1000 + t), batch) for t in range(turns)]
 
 
-def run_continue(continue_sample, params, config, inputs, keys, capacity) -> tuple:
-  """One episode continuing from the context: (per-turn seconds, per-turn sampled tokens)."""
+def session_config(args) -> sampling.SessionConfig:
+  """The continue route's session: B rows, room for the whole episode, one prefill a turn."""
+  context = args.turns * (args.env_tokens + args.reply_tokens)
+  page = args.page_size
+  return sampling.SessionConfig(
+    rows=args.batch,
+    max_context_tokens=context,
+    page_size=page,
+    prefill_chunk=max(256, args.env_tokens + 1),  # the pending token + E new ones in one call
+    decode_steps_per_sync=args.steps_per_sync,
+    initial_pages=1 + args.batch * -(-(context + args.steps_per_sync + 1) // page),
+  )
+
+
+def run_continue(make_session, params, inputs, keys) -> tuple:
+  """One episode in a fresh session: (per-turn seconds, per-turn sampled tokens, stats)."""
+  session = make_session()
   batch = inputs[0].shape[0]
-  context = jax.block_until_ready(sampling.init_context(config, batch, capacity))
   times, tokens = [], []
   for new_ids, turn_key in zip(inputs, keys):
-    new_ids = jnp.asarray(new_ids)
-    new_valid = jnp.ones(new_ids.shape, bool)
+    key_data = np.asarray(jax.random.key_data(turn_key))
+    reply = session.sampling_config.max_new_tokens
+    out = np.zeros((batch, reply), np.int32)
     start = time.perf_counter()
-    out, context = continue_sample(params, context, new_ids, new_valid, turn_key)
-    jax.block_until_ready((out, context))
+    for b in range(batch):
+      session.give(b, new_ids[b], key_data[b], reply)
+    while session.busy:
+      session.prefill(params)
+      for r in session.decode(params):  # host arrays: the work is done
+        out[r.row, : len(r.tokens)] = r.tokens
     times.append(time.perf_counter() - start)
-    tokens.append(np.asarray(out.tokens))
-  return times, tokens
+    tokens.append(out)
+  return times, tokens, session.stats
 
 
 def run_reprefill(sample, params, inputs, keys) -> tuple:
@@ -138,23 +164,44 @@ def main():
   parser.add_argument("--env-tokens", type=int, default=32, help="E new tokens per row per turn")
   parser.add_argument("--reply-tokens", type=int, default=32, help="R sampled tokens per turn")
   parser.add_argument("--repeats", type=int, default=3, help="timed episodes of each route")
+  parser.add_argument("--page-size", type=int, default=32, help="the session's KV page size")
+  parser.add_argument(
+    "--steps-per-sync", type=int, default=8, help="the session's decode steps per host read"
+  )
   parser.add_argument("--json", default=None, help="also write the result to this file")
   args = parser.parse_args()
-  if min(args.batch, args.turns, args.env_tokens, args.reply_tokens, args.repeats) < 1:
-    parser.error("--batch, --turns, --env-tokens, --reply-tokens and --repeats must be >= 1")
+  if (
+    min(
+      args.batch,
+      args.turns,
+      args.env_tokens,
+      args.reply_tokens,
+      args.repeats,
+      args.page_size,
+      args.steps_per_sync,
+    )
+    < 1
+  ):
+    parser.error(
+      "--batch, --turns, --env-tokens, --reply-tokens, --repeats, --page-size and "
+      "--steps-per-sync must be >= 1"
+    )
 
   config = config_lib.get_preset(args.preset)
   params = jax.jit(qwen.init_params, static_argnums=0)(config, jax.random.key(0))
   env, reply = args.env_tokens, args.reply_tokens
   sampling_config = sampling.SamplingConfig(max_new_tokens=reply, temperature=1.0)
-  continue_sample = sampling.make_continuer(config, sampling_config)
+  session_cfg = session_config(args)
+
+  def make_session():
+    return sampling.SamplerSession(config, sampling_config, session_cfg)
+
   sample = sampling.make_sampler(config, sampling_config)
   inputs = env_tokens(args.turns, args.batch, env, config.vocab_size)
   keys = turn_keys(args.turns, args.batch)
-  capacity = args.turns * (env + reply)  # slots_needed is E + R per turn: no compaction
 
   start = time.perf_counter()
-  _, warm_a = run_continue(continue_sample, params, config, inputs, keys, capacity)
+  _, warm_a, stats = run_continue(make_session, params, inputs, keys)
   compile_continue = time.perf_counter() - start
   start = time.perf_counter()
   _, warm_b = run_reprefill(sample, params, inputs, keys)
@@ -163,7 +210,7 @@ def main():
 
   times_a, times_b = [], []
   for _ in range(args.repeats):  # A B A B ...
-    times_a.append(run_continue(continue_sample, params, config, inputs, keys, capacity)[0])
+    times_a.append(run_continue(make_session, params, inputs, keys)[0])
     times_b.append(run_reprefill(sample, params, inputs, keys)[0])
 
   first = attention_pairs(1, env, reply)
@@ -195,7 +242,12 @@ def main():
     env_tokens=env,
     reply_tokens=reply,
     repeats=args.repeats,
-    capacity=capacity,
+    capacity=session_cfg.max_context_tokens,
+    page_size=session_cfg.page_size,
+    steps_per_sync=session_cfg.decode_steps_per_sync,
+    pool_pages=stats.pool_pages,
+    session_prefill_calls=stats.prefill_calls,
+    session_decode_calls=stats.decode_calls,
     backend=jax.default_backend(),
     cpu_cores=len(os.sched_getaffinity(0)),
     warmup_continue_s=round(compile_continue, 2),

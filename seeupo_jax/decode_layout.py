@@ -20,10 +20,10 @@ Each decode step then moves only activations between devices (two all-reduces of
 layer, the embedding lookup's and the logits'), and each device reads 1 / tensor of the weights.
 
     layout = decode_layout.DecodeLayout(model_config, mesh)        # builds the jitted reshard
-    sample = sampling.make_continuer(layout.model_config, sampling_config,
-                                     cache_sharding=layout.cache_sharding)
+    session = sampling.SamplerSession(layout.model_config, sampling_config, session_config,
+                                      cache_sharding=layout.cache_sharding)
     with jax.set_mesh(layout.mesh):                                # the model's activation specs
-      out, context = sample(layout(state.params), context, ...)
+      session.prefill(layout(state.params)); replies = session.decode(layout(state.params))
 
 `layout(params)` runs one jitted function with fixed `out_shardings`. From the second call on it
 donates the previous call's output, so XLA writes the new copy into the old copy's buffers (the
@@ -261,7 +261,7 @@ class DecodeLayout:
     self._params: Optional[Params] = None
 
   def cache_sharding(self, cache: qwen.KVCache) -> qwen.KVCache:
-    """The KV cache's shardings on the decode mesh (for `sampling.make_continuer`)."""
+    """The KV cache's shardings on the decode mesh (for `sampling.SamplerSession`)."""
     return sharding.cache_shardings(cache, self.mesh)
 
   def __call__(self, params: Params) -> Params:

@@ -1,36 +1,35 @@
-"""Jitted KV-cache sampler: prefill the prompts, then decode under `lax.while_loop`.
+"""Jitted KV-cache sampler over a paged cache: every row has its own length.
 
-`make_sampler(model_config, sampling_config)` binds the hyper-parameters and
-returns one jitted function
+Two ways in, one set of steps:
 
-    sample(params, prompt_ids, prompt_valid, rng, stop_tokens=None, max_new_tokens=None)
-        -> SampleOutput(tokens, logprobs, mask, lengths, finish_reason)
+* `make_sampler(model_config, sampling_config)` binds the hyper-parameters and returns one
+  jitted one-shot function
 
-Prompts of different lengths share one batch (pad them on the left; any pad
-pattern works because RoPE positions count only valid tokens). Each sampled
-token's log-prob is taken under softmax(logits / temperature) of the FULL
+      sample(params, prompt_ids, prompt_valid, rng, stop_tokens=None, max_new_tokens=None)
+          -> SampleOutput(tokens, logprobs, mask, lengths, finish_reason)
+
+  (the session below started from an empty context, inside one compiled program).
+
+* `SamplerSession(model_config, sampling_config, SessionConfig(rows=S))` is the decode batch
+  of the rollout engine: S rows that episodes take and give back, a pool of KV pages, and two
+  compiled programs, `prefill` (write the tokens that arrived for some rows, chunked; rows
+  whose input is complete sample their first token) and `decode` (k steps of every decoding
+  row, then one host sync). A row's tokens go where its own context ends: nothing pads one
+  row to another, no index is shared.
+
+Prompts of different lengths share one batch (pad anywhere; RoPE positions count only valid
+tokens). Each sampled token's log-prob is taken under softmax(logits / temperature) of the FULL
 distribution (before top-k / top-p), so it equals the teacher-forced
-`qwen.token_logprobs(..., temperature=temperature)` of the same sequence and can
-serve as `old_logp` in RL. Greedy decoding takes the argmax and reports the
-log-prob at `temperature` (1.0 by default).
+`qwen.token_logprobs(..., temperature=temperature)` of the same sequence and can serve as
+`old_logp` in RL. Greedy decoding takes the argmax and reports the log-prob at `temperature`.
 
-Randomness: row b draws its token at step t with `fold_in(row_key_b, t)`, where
-the row keys are `rng` itself ([B] keys) or `split(rng, B)` (one key). So a row's
-sample depends only on its prompt and its key, not on the rest of the batch.
+Randomness: a row draws the token of its reply's step t with `fold_in(reply_key, t)`. The
+one-shot sampler's reply keys are `rng` itself ([B] keys) or `split(rng, B)` (one key); a
+session's are given per reply (`SamplerSession.give`). So a reply depends only on its context,
+its key and the params, not on the rest of the batch, the row it sits in, or when it ran.
 
-Multi-turn rollouts keep each row's conversation as model state between calls
-(`Context`: the KV cache, each row's length and its last sampled token, still
-pending). `make_continuer(...)` returns
-
-    continue_sample(params, context, new_ids, new_valid, rng, stop_tokens=None,
-                    max_new_tokens=None) -> (SampleOutput, Context)
-
-which writes each row's pending token and its new tokens (the environment's
-observation and the next generation prompt) into the cache and samples the
-reply, with the same semantics as `sample`. `compact_context`,
-`take_context_rows` and `slots_needed` manage the cache between turns. Both
-entry points run the same module-level steps: `prefill` -> `emit` ->
-`decode_loop` (`sample_from_context` strings them together).
+The module-level steps (`write_tokens` -> `begin_replies` -> `decode_loop`, each over a
+`DecodeRows` state and a page table) are shared by both entry points.
 """
 
 from __future__ import annotations
@@ -38,12 +37,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import chex
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from seeupo_jax.models import qwen
 from seeupo_jax.models.config import ModelConfig
@@ -140,58 +140,57 @@ class SampleOutput:
 
 
 @flax.struct.dataclass
-class DecodeState:
-  """Carry of the decode loop (B rows, N = max new tokens).
+class DecodeRows:
+  """Device state of a batch of S decode rows (N = SamplingConfig.max_new_tokens).
 
-  step:          int32 scalar, number of decode steps taken (= output column of the next token).
-  cache:         `qwen.KVCache` holding the prompt and the tokens fed back so far.
-  last_tokens:   int32[B], the row's newest token, not yet in the cache: the token sampled
-                 at step - 1 (fed to the model next), or before the first sample the row's
-                 last given token (-1 for a row given no token).
-  positions:     int32[B], tokens in the row so far (context + given + generated): the RoPE
-                 position of the next token; `last_tokens` sits at positions - 1.
-  tokens, logprobs: the output buffers [B, N].
-  done:          bool[B], the row has finished.
-  lengths:       int32[B], tokens generated so far.
-  finish_reason: int32[B].
+  A row's context is the `lengths[b]` tokens in its pages followed by `last_tokens[b]`, its
+  newest token, which the cache does not hold yet (the next decode step, or the caller's next
+  given tokens, writes it).
+
+  cache:         the `qwen.PagedKVCache` pool (shared by the rows through the page table).
+  lengths:       int32[S], tokens of the row in the cache (= the position of its next token).
+  last_tokens:   int32[S], the row's newest token, not in the cache (-1: none).
+  keys:          uint32[S, 2], raw PRNG key of the row's current reply.
+  decoding:      bool[S], the row is sampling its reply.
+  steps:         int32[S], tokens sampled in the current reply (= its next output column).
+  limits:        int32[S], most tokens of the current reply.
+  stops:         int32[S, K], stop ids of the current reply (-1: unused).
+  tokens:        int32[S, N], the current reply's tokens (pad_id after its end).
+  logprobs:      float32[S, N], their log-probs (0 after the end).
+  finish_reason: int32[S], a `FinishReason` value once the reply has ended.
   """
 
-  step: jax.Array
-  cache: qwen.KVCache
+  cache: qwen.PagedKVCache
+  lengths: jax.Array
   last_tokens: jax.Array
-  positions: jax.Array
+  keys: jax.Array
+  decoding: jax.Array
+  steps: jax.Array
+  limits: jax.Array
+  stops: jax.Array
   tokens: jax.Array
   logprobs: jax.Array
-  done: jax.Array
-  lengths: jax.Array
   finish_reason: jax.Array
 
 
-@flax.struct.dataclass
-class Context:
-  """Each row's conversation so far, as model state, kept between turns.
-
-  The conversation of row b (every token given to it and sampled for it, in
-  order) is the `lengths[b]` tokens held in the cache followed by `pending[b]`
-  when that is >= 0. The cache never holds a row's newest token: the next call
-  writes it (at RoPE position `lengths[b]`) in front of the row's new tokens.
-
-  cache:   `qwen.KVCache` with B rows and `capacity` slots. Row b's valid slots hold its
-           first `lengths[b]` tokens in order (keys after RoPE); pad slots lie anywhere.
-  lengths: int32[B], tokens of the row held in the cache = the RoPE position of the
-           pending token (of the row's next token when nothing is pending). The pending
-           token is NOT counted: the conversation has lengths + (pending >= 0) tokens.
-  pending: int32[B], the row's newest token, not yet written to the cache (-1 = none).
-  """
-
-  cache: qwen.KVCache
-  lengths: jax.Array
-  pending: jax.Array
-
-  @property
-  def capacity(self) -> int:
-    """Slots of the cache (static)."""
-    return self.cache.valid.shape[1]
+def init_rows(
+  cache: qwen.PagedKVCache, num_rows: int, num_stops: int, max_new_tokens: int, pad_id: int
+) -> DecodeRows:
+  """S idle rows (length 0, nothing pending) over `cache`."""
+  s, n = num_rows, max_new_tokens
+  return DecodeRows(
+    cache=cache,
+    lengths=jnp.zeros((s,), jnp.int32),
+    last_tokens=jnp.full((s,), -1, jnp.int32),
+    keys=jnp.zeros((s, 2), jnp.uint32),
+    decoding=jnp.zeros((s,), bool),
+    steps=jnp.zeros((s,), jnp.int32),
+    limits=jnp.zeros((s,), jnp.int32),
+    stops=jnp.full((s, num_stops), -1, jnp.int32),
+    tokens=jnp.full((s, n), pad_id, jnp.int32),
+    logprobs=jnp.zeros((s, n), jnp.float32),
+    finish_reason=jnp.full((s,), int(FinishReason.LENGTH), jnp.int32),
+  )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,7 +252,7 @@ def select_token(
 
 
 # ----------------------------------------------------------------------------------------------
-# The steps of the sampler (module-level; `make_sampler` and `make_continuer` bind them).
+# The steps of the sampler (module-level; `make_sampler` and `SamplerSession` bind them).
 
 
 def prompt_positions(prompt_valid: jax.Array) -> jax.Array:
@@ -292,15 +291,6 @@ def _last_valid_slot(valid: jax.Array) -> jax.Array:
   return (s - 1 - jnp.argmax(valid[:, ::-1], axis=1)).astype(jnp.int32)
 
 
-def constrain_cache(
-  cache: qwen.KVCache, cache_sharding: Optional[Callable[[qwen.KVCache], Any]]
-) -> qwen.KVCache:
-  """`cache` under `with_sharding_constraint(cache_sharding(cache))`; unchanged when None."""
-  if cache_sharding is None:
-    return cache
-  return jax.lax.with_sharding_constraint(cache, cache_sharding(cache))
-
-
 def next_logits(params: Params, h: jax.Array, *, model_config: ModelConfig) -> jax.Array:
   """float32[B, V] next-token logits from final hidden states h [B, D]."""
   chex.assert_rank(h, 2)
@@ -308,61 +298,76 @@ def next_logits(params: Params, h: jax.Array, *, model_config: ModelConfig) -> j
   return jnp.einsum("bd,dv->bv", h, w, preferred_element_type=jnp.float32)
 
 
-def prefill(
+def constrain_cache(
+  cache: qwen.PagedKVCache, cache_sharding: Optional[Callable[[qwen.PagedKVCache], Any]]
+) -> qwen.PagedKVCache:
+  """`cache` under `with_sharding_constraint(cache_sharding(cache))`; unchanged when None."""
+  if cache_sharding is None:
+    return cache
+  return jax.lax.with_sharding_constraint(cache, cache_sharding(cache))
+
+
+def write_tokens(
   params: Params,
-  cache: qwen.KVCache,
+  cache: qwen.PagedKVCache,
+  page_table: jax.Array,
+  lengths: jax.Array,
   ids: jax.Array,
   valid: jax.Array,
-  positions: jax.Array,
   *,
   model_config: ModelConfig,
   chunk_size: Optional[int],
-  constrain: Callable[[qwen.KVCache], qwen.KVCache],
-) -> tuple[jax.Array, qwen.KVCache]:
-  """Writes S tokens per row into the cache, `chunk_size` columns at a time.
+  constrain: Callable[[qwen.PagedKVCache], qwen.PagedKVCache],
+) -> tuple[jax.Array, qwen.PagedKVCache, jax.Array]:
+  """Writes each row's valid tokens after its context, `chunk_size` columns at a time.
 
-  The full chunks run under one `lax.scan`, a shorter last chunk after it, so
-  the call uses exactly S slots (from `cache.index`) whatever the chunk size.
-  Only the hidden state of each row's last valid token goes through the output
-  projection: float32 [B, S, V] is never built.
+  Row b's valid tokens go to positions lengths[b], lengths[b] + 1, ... in order (pads
+  anywhere). The full chunks run under one `lax.scan`, a shorter last chunk after it. Only
+  the hidden state of each row's last valid token is kept: float32 [B, S, V] is never built.
 
   Args:
       params: the model's params pytree.
-      cache: `qwen.KVCache` with B rows and at least cache.index + S slots.
+      cache: the `qwen.PagedKVCache` pool.
+      page_table: int32[B, W], each row's pages (room for lengths + its valid tokens).
+      lengths: int32[B], tokens of each row in the cache.
       ids: int32[B, S] token ids (values at invalid slots must be valid ids, e.g. 0).
-      valid: bool[B, S], True on tokens to write (valid in the cache); the rest are pads.
-      positions: int32[B, S] RoPE positions of the tokens.
+      valid: bool[B, S], True on tokens to write.
       model_config: the `ModelConfig` (static).
       chunk_size: columns per model call (None = all S at once).
       constrain: applied to the cache after every write (sharding constraint or identity).
 
   Returns:
-      (float32[B, V] logits after each row's last valid token, the cache with index += S).
+      (h [B, D] after each row's last valid token (zeros for a row with none), the cache,
+      int32[B] the new lengths = lengths + valid tokens).
   """
-  chex.assert_rank([ids, valid, positions], 2)
-  chex.assert_equal_shape([ids, valid, positions])
+  chex.assert_rank([ids, valid, page_table, lengths], [2, 2, 2, 1])
+  chex.assert_equal_shape([ids, valid])
   b, s = ids.shape
   last = _last_valid_slot(valid)
+  positions = lengths[:, None] + prompt_positions(valid)
   chunk = s if chunk_size is None else min(chunk_size, s)
   n_full, rest = divmod(s, chunk)
 
   def prefill_chunk(carry, chunk_inputs):
     """Runs one chunk of the tokens; keeps the hidden state of each row's last token."""
-    cache, h_last = carry
+    cache, lengths, h_last = carry
     ids_c, valid_c, pos_c, start = chunk_inputs
     width = ids_c.shape[1]
-    h, cache = qwen.hidden_states(params, ids_c, pos_c, valid_c, cache, config=model_config)
+    h, cache = qwen.paged_hidden_states(
+      params, ids_c, pos_c, valid_c, cache, page_table, lengths, config=model_config
+    )
     cache = constrain(cache)
     local = jnp.clip(last - start, 0, width - 1)
     h_here = jnp.take_along_axis(h, local[:, None, None], axis=1)[:, 0]
-    in_chunk = (last >= start) & (last < start + width)
+    in_chunk = (last >= start) & (last < start + width) & jnp.any(valid, axis=1)
     h_last = jnp.where(in_chunk[:, None], h_here.astype(h_last.dtype), h_last)
-    return (cache, h_last), None
+    lengths = lengths + jnp.sum(valid_c.astype(jnp.int32), axis=1)
+    return (cache, lengths, h_last), None
 
   def by_chunk(x):
     return x[:, : n_full * chunk].reshape(b, n_full, chunk).swapaxes(0, 1)
 
-  carry = (cache, jnp.zeros((b, model_config.hidden_size), model_config.dtype))
+  carry = (cache, lengths, jnp.zeros((b, model_config.hidden_size), model_config.dtype))
   if n_full:
     starts = jnp.arange(n_full, dtype=jnp.int32) * chunk
     carry, _ = jax.lax.scan(
@@ -371,37 +376,22 @@ def prefill(
   if rest:
     tail = slice(n_full * chunk, s)
     carry, _ = prefill_chunk(
-      carry,
-      (ids[:, tail], valid[:, tail], positions[:, tail], jnp.int32(n_full * chunk)),
+      carry, (ids[:, tail], valid[:, tail], positions[:, tail], jnp.int32(n_full * chunk))
     )
-  cache, h_last = carry
-  return next_logits(params, h_last, model_config=model_config), cache
+  cache, lengths, h_last = carry
+  return h_last, cache, lengths
 
 
-def emit(
-  state: DecodeState,
-  logits: jax.Array,
-  row_keys: jax.Array,
-  stops: jax.Array,
-  limits: jax.Array,
-  *,
-  sampling_config: SamplingConfig,
-) -> DecodeState:
-  """Chooses the token of column `state.step` for the rows still running and records it.
+def emit(rows: DecodeRows, logits: jax.Array, *, sampling_config: SamplingConfig) -> DecodeRows:
+  """Every decoding row chooses the token of its column `steps[b]` and records it.
 
-  Row b draws with `fold_in(row_keys[b], state.step)`; a row finishes on one of
-  its stop ids (STOP) or when it has `limits[b]` tokens (LENGTH).
+  Row b draws with `fold_in(keys[b], steps[b])`; it finishes on one of its stop ids (STOP)
+  or when it has `limits[b]` tokens (LENGTH). The token becomes the row's `last_tokens`.
 
   Args:
-      state: the `DecodeState` before the step.
-      logits: float32[B, V] next-token logits of every row.
-      row_keys: [B] typed PRNG keys.
-      stops: int32[B, K] stop ids per row (-1 = none).
-      limits: int32[B] most new tokens per row.
+      rows: the `DecodeRows` before the step.
+      logits: float32[S, V] next-token logits of every row.
       sampling_config: the `SamplingConfig` (static).
-
-  Returns:
-      The `DecodeState` after the step (step + 1).
   """
   sc = sampling_config
   choose = jax.vmap(
@@ -409,193 +399,127 @@ def emit(
       select_token, temperature=sc.temperature, top_k=sc.top_k, top_p=sc.top_p, greedy=sc.greedy
     )
   )
-  keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, state.step)
+  keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(rows.keys), rows.steps)
   token, logp = choose(keys, logits)
-  active = ~state.done
-  col = state.step
-  tokens = state.tokens.at[:, col].set(jnp.where(active, token, sc.pad_id))
-  logprobs = state.logprobs.at[:, col].set(jnp.where(active, logp, 0.0))
-  lengths = state.lengths + active.astype(jnp.int32)
-  hit_stop = active & jnp.any(token[:, None] == stops, axis=1)
-  hit_length = active & ~hit_stop & (lengths >= limits)
-  finish = jnp.where(hit_stop, int(FinishReason.STOP), state.finish_reason)
+  active = rows.decoding
+  s, n = rows.tokens.shape
+  col = jnp.where(active, rows.steps, n)  # out of bounds: dropped
+  tokens = rows.tokens.at[jnp.arange(s), col].set(token, mode="drop")
+  logprobs = rows.logprobs.at[jnp.arange(s), col].set(logp, mode="drop")
+  steps = rows.steps + active.astype(jnp.int32)
+  hit_stop = active & jnp.any(token[:, None] == rows.stops, axis=1)
+  hit_length = active & ~hit_stop & (steps >= rows.limits)
+  finish = jnp.where(hit_stop, int(FinishReason.STOP), rows.finish_reason)
   finish = jnp.where(hit_length, int(FinishReason.LENGTH), finish)
-  return state.replace(
-    step=state.step + 1,
-    last_tokens=jnp.where(active, token, state.last_tokens),
-    positions=state.positions + active.astype(jnp.int32),
+  return rows.replace(
+    last_tokens=jnp.where(active, token, rows.last_tokens),
     tokens=tokens,
     logprobs=logprobs,
-    done=state.done | hit_stop | hit_length,
-    lengths=lengths,
+    steps=steps,
+    decoding=active & ~hit_stop & ~hit_length,
     finish_reason=finish,
   )
 
 
-def decode_step(
-  state: DecodeState,
-  params: Params,
-  row_keys: jax.Array,
-  stops: jax.Array,
+def begin_replies(
+  rows: DecodeRows,
+  begin: jax.Array,
+  logits: jax.Array,
+  keys: jax.Array,
   limits: jax.Array,
+  stops: jax.Array,
+  *,
+  sampling_config: SamplingConfig,
+) -> DecodeRows:
+  """The rows in `begin` start a reply: fresh output buffers, their key, limit and stops,
+  and their first token chosen from `logits` (the logits after their last given token).
+
+  Args:
+      rows: `DecodeRows` of S rows.
+      begin: bool[S], the rows that start a reply (others are unchanged). A row with limit 0
+          starts and ends at once (no token, finish reason LENGTH).
+      logits: float32[S, V].
+      keys: uint32[S, 2] raw reply keys; limits: int32[S] in [0, N]; stops: int32[S, K].
+      sampling_config: the `SamplingConfig` (static).
+  """
+  sc = sampling_config
+  fresh = rows.replace(
+    keys=jnp.where(begin[:, None], keys, rows.keys),
+    limits=jnp.where(begin, limits, rows.limits),
+    stops=jnp.where(begin[:, None], stops, rows.stops),
+    steps=jnp.where(begin, 0, rows.steps),
+    tokens=jnp.where(begin[:, None], sc.pad_id, rows.tokens),
+    logprobs=jnp.where(begin[:, None], 0.0, rows.logprobs),
+    finish_reason=jnp.where(begin, int(FinishReason.LENGTH), rows.finish_reason),
+    decoding=jnp.where(begin, limits > 0, rows.decoding),
+  )
+  emitted = emit(fresh.replace(decoding=begin & (limits > 0)), logits, sampling_config=sc)
+  return emitted.replace(decoding=jnp.where(begin, emitted.decoding, rows.decoding))
+
+
+def decode_step(
+  rows: DecodeRows,
+  params: Params,
+  page_table: jax.Array,
   *,
   model_config: ModelConfig,
   sampling_config: SamplingConfig,
-  constrain: Callable[[qwen.KVCache], qwen.KVCache],
-) -> DecodeState:
-  """Feeds each running row's last token to the model (one cache slot) and emits the next.
+  constrain: Callable[[qwen.PagedKVCache], qwen.PagedKVCache],
+) -> DecodeRows:
+  """Writes each decoding row's last token (at its own position) and emits its next one.
 
-  Finished rows ride along: their slot is written invalid. See `emit` for the arguments.
+  Rows that are not decoding ride along: their token goes to the scratch page.
   """
-  running = ~state.done
-  h, cache = qwen.hidden_states(
+  decoding = rows.decoding
+  h, cache = qwen.paged_hidden_states(
     params,
-    jnp.maximum(state.last_tokens, 0)[:, None],
-    state.positions[:, None] - 1,
-    running[:, None],
-    state.cache,
+    jnp.maximum(rows.last_tokens, 0)[:, None],
+    rows.lengths[:, None],
+    decoding[:, None],
+    rows.cache,
+    page_table,
+    rows.lengths,
     config=model_config,
   )
-  state = state.replace(cache=constrain(cache))
+  rows = rows.replace(cache=constrain(cache), lengths=rows.lengths + decoding.astype(jnp.int32))
   logits = next_logits(params, h[:, 0], model_config=model_config)
-  return emit(state, logits, row_keys, stops, limits, sampling_config=sampling_config)
+  return emit(rows, logits, sampling_config=sampling_config)
 
 
 def decode_loop(
   params: Params,
-  state: DecodeState,
-  row_keys: jax.Array,
-  stops: jax.Array,
-  limits: jax.Array,
+  rows: DecodeRows,
+  page_table: jax.Array,
+  num_steps: int,
   *,
   model_config: ModelConfig,
   sampling_config: SamplingConfig,
-  constrain: Callable[[qwen.KVCache], qwen.KVCache],
-) -> DecodeState:
-  """`decode_step` under `lax.while_loop` until every row is done or N tokens were emitted.
+  constrain: Callable[[qwen.PagedKVCache], qwen.PagedKVCache],
+) -> DecodeRows:
+  """`decode_step` under `lax.while_loop`, `num_steps` times or until no row decodes.
 
-  Each iteration uses one cache slot (for all rows): at most N - 1 of them after
-  the first `emit`. See `emit` for the arguments.
+  A decoding row writes one token per step at its own position: the page table must give
+  each decoding row room for positions lengths[b] .. lengths[b] + num_steps - 1.
   """
 
-  def still_running(state: DecodeState):
-    return (state.step < sampling_config.max_new_tokens) & ~jnp.all(state.done)
+  def go_on(carry):
+    i, rows = carry
+    return (i < num_steps) & jnp.any(rows.decoding)
 
-  step = functools.partial(
-    decode_step,
-    params=params,
-    row_keys=row_keys,
-    stops=stops,
-    limits=limits,
-    model_config=model_config,
-    sampling_config=sampling_config,
-    constrain=constrain,
-  )
-  return jax.lax.while_loop(still_running, step, state)
+  def body(carry):
+    i, rows = carry
+    rows = decode_step(
+      rows,
+      params,
+      page_table,
+      model_config=model_config,
+      sampling_config=sampling_config,
+      constrain=constrain,
+    )
+    return i + 1, rows
 
-
-def sample_from_context(
-  params: Params,
-  context: Context,
-  ids: jax.Array,
-  valid: jax.Array,
-  row_keys: jax.Array,
-  stops: jax.Array,
-  limits: jax.Array,
-  *,
-  model_config: ModelConfig,
-  sampling_config: SamplingConfig,
-  constrain: Callable[[qwen.KVCache], qwen.KVCache],
-  with_pending: bool,
-) -> tuple[SampleOutput, Context]:
-  """Writes each row's given tokens into its context, then samples its reply.
-
-  The tokens given to row b are its pending token (when `with_pending` and
-  pending[b] >= 0), then its valid `ids`; they go to the cache at RoPE
-  positions lengths[b], lengths[b] + 1, ... A row that samples (limits[b] > 0
-  and at least one given token) emits up to limits[b] tokens; all but the
-  last enter the cache, the last becomes its pending token. A row that does
-  not sample writes all its given tokens but the last, which becomes (or stays)
-  its pending token; a row given nothing is unchanged.
-
-  Args:
-      params: the model's params pytree.
-      context: the `Context` of the B rows.
-      ids: int32[B, S] new tokens, padded anywhere.
-      valid: bool[B, S], True on new tokens.
-      row_keys: [B] typed PRNG keys.
-      stops: int32[B, K] stop ids per row (-1 = none).
-      limits: int32[B] most new tokens per row, in [0, N].
-      model_config, sampling_config: static configs (`sampling_config.scan_layers` applied).
-      constrain: sharding constraint of the cache (or identity).
-      with_pending: static; False skips the pending column (the context must have no
-          pending token: `make_sampler` starts from an empty context).
-
-  Returns:
-      (SampleOutput, the new Context). The call uses S (+ 1 with_pending) slots for the
-      prefill and one per decode step (at most max(limits) - 1) from cache.index.
-  """
-  sc = sampling_config
-  b = ids.shape[0]
-  n_new = sc.max_new_tokens
-  if with_pending:
-    has_pending = context.pending >= 0
-    ids = jnp.concatenate([jnp.maximum(context.pending, 0)[:, None], ids], axis=1)
-    valid = jnp.concatenate([has_pending[:, None], valid], axis=1)
-  given = jnp.sum(valid.astype(jnp.int32), axis=1)
-  has_tokens = given > 0
-  limits = jnp.where(has_tokens, limits, 0)
-  sampling_rows = limits > 0
-  last = _last_valid_slot(valid)
-  last_given = jnp.where(has_tokens, jnp.take_along_axis(ids, last[:, None], axis=1)[:, 0], -1)
-  # A row that does not sample keeps its last given token out of the cache (pending), so that
-  # its next call can start from it with no new token.
-  held_back = ~sampling_rows[:, None] & (jnp.arange(ids.shape[1])[None, :] == last[:, None])
-  positions = context.lengths[:, None] + prompt_positions(valid)
-  logits, cache = prefill(
-    params,
-    constrain(context.cache),
-    ids,
-    valid & ~held_back,
-    positions,
-    model_config=model_config,
-    chunk_size=sc.prefill_chunk_size,
-    constrain=constrain,
-  )
-  state = DecodeState(
-    step=jnp.zeros((), jnp.int32),
-    cache=cache,
-    last_tokens=last_given,
-    positions=context.lengths + given,
-    tokens=jnp.full((b, n_new), sc.pad_id, jnp.int32),
-    logprobs=jnp.zeros((b, n_new), jnp.float32),
-    done=~sampling_rows,
-    lengths=jnp.zeros((b,), jnp.int32),
-    finish_reason=jnp.full((b,), int(FinishReason.LENGTH), jnp.int32),
-  )
-  state = emit(state, logits, row_keys, stops, limits, sampling_config=sc)
-  state = decode_loop(
-    params,
-    state,
-    row_keys,
-    stops,
-    limits,
-    model_config=model_config,
-    sampling_config=sc,
-    constrain=constrain,
-  )
-  out = SampleOutput(
-    tokens=state.tokens,
-    logprobs=state.logprobs,
-    mask=jnp.arange(n_new)[None, :] < state.lengths[:, None],
-    lengths=state.lengths,
-    finish_reason=state.finish_reason,
-  )
-  pending = state.last_tokens
-  context = Context(
-    cache=state.cache, lengths=state.positions - (pending >= 0).astype(jnp.int32), pending=pending
-  )
-  return out, context
+  _, rows = jax.lax.while_loop(go_on, body, (jnp.zeros((), jnp.int32), rows))
+  return rows
 
 
 def _stops_and_limits(
@@ -635,7 +559,7 @@ def _check_configs(model_config, sampling_config) -> ModelConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# One-shot sampling.
+# One-shot sampling: the session's steps from an empty context, in one program.
 
 
 def _sample(
@@ -650,52 +574,78 @@ def _sample(
   sampling_config: SamplingConfig,
   cache_sharding,
 ) -> SampleOutput:
-  """`make_sampler`'s function: an empty context of P' + N slots, then one sampling call.
-
-  The prompt is padded at the end to P' (a multiple of the prefill chunk), so that every
-  prefill chunk has the same shape.
-  """
+  """`make_sampler`'s function: B rows with one page each of P' + N slots, one prefill
+  (P' = P padded to a multiple of the prefill chunk), then the decode loop to the end."""
   chex.assert_rank([prompt_ids, prompt_valid], 2)
   chex.assert_equal_shape([prompt_ids, prompt_valid])
   chex.assert_type([prompt_ids, prompt_valid], [int, bool])
   sc = sampling_config
   b, p = prompt_ids.shape
-  row_keys = _row_keys(rng, b)
+  keys = jax.random.key_data(_row_keys(rng, b))
   stops, limits = _stops_and_limits(sc, b, stop_tokens, max_new_tokens)
   chunk = p if sc.prefill_chunk_size is None else min(sc.prefill_chunk_size, p)
   pad = -(-p // chunk) * chunk - p
   prompt_ids = jnp.pad(prompt_ids.astype(jnp.int32), ((0, 0), (0, pad)))
   prompt_valid = jnp.pad(prompt_valid, ((0, 0), (0, pad)))
-  context = init_context(model_config, b, p + pad + sc.max_new_tokens)
-  out, _ = sample_from_context(
+  constrain = functools.partial(constrain_cache, cache_sharding=cache_sharding)
+  cache = constrain(qwen.init_paged_cache(model_config, b + 1, p + pad + sc.max_new_tokens))
+  page_table = jnp.arange(1, b + 1, dtype=jnp.int32)[:, None]  # row b: page b + 1
+  rows = init_rows(cache, b, stops.shape[1], sc.max_new_tokens, sc.pad_id)
+  h_last, cache, lengths = write_tokens(
     params,
-    context,
+    rows.cache,
+    page_table,
+    rows.lengths,
     prompt_ids,
     prompt_valid,
-    row_keys,
+    model_config=model_config,
+    chunk_size=sc.prefill_chunk_size,
+    constrain=constrain,
+  )
+  has_tokens = jnp.any(prompt_valid, axis=1)
+  rows = rows.replace(cache=cache, lengths=lengths)
+  rows = begin_replies(
+    rows,
+    jnp.ones((b,), bool),
+    next_logits(params, h_last, model_config=model_config),
+    keys,
+    jnp.where(has_tokens, limits, 0),
     stops,
-    limits,
+    sampling_config=sc,
+  )
+  rows = decode_loop(
+    params,
+    rows,
+    page_table,
+    sc.max_new_tokens,
     model_config=model_config,
     sampling_config=sc,
-    constrain=functools.partial(constrain_cache, cache_sharding=cache_sharding),
-    with_pending=False,
+    constrain=constrain,
   )
-  return out
+  n = sc.max_new_tokens
+  return SampleOutput(
+    tokens=rows.tokens,
+    logprobs=rows.logprobs,
+    mask=jnp.arange(n)[None, :] < rows.steps[:, None],
+    lengths=rows.steps,
+    finish_reason=rows.finish_reason,
+  )
 
 
 def make_sampler(
   model_config: ModelConfig,
   sampling_config: SamplingConfig,
   *,
-  cache_sharding: Optional[Callable[[qwen.KVCache], Any]] = None,
+  cache_sharding: Optional[Callable[[qwen.PagedKVCache], Any]] = None,
   jit: bool = True,
 ):
-  """Builds the sampling function for one model config and one set of decoding hyper-parameters.
+  """Builds the one-shot sampling function for one model config and one set of decoding
+  hyper-parameters.
 
   Args:
       model_config: the policy's `ModelConfig` (static).
       sampling_config: the `SamplingConfig` (static).
-      cache_sharding: optional function KVCache -> pytree of `Sharding` (e.g.
+      cache_sharding: optional function PagedKVCache -> pytree of `Sharding` (e.g.
           `functools.partial(seeupo_jax.sharding.cache_shardings, mesh=mesh)`);
           the cache is constrained to it after every write. Params and inputs
           keep the shardings they arrive with; nothing here names a device.
@@ -705,9 +655,8 @@ def make_sampler(
       sample(params, prompt_ids, prompt_valid, rng, stop_tokens=None,
       max_new_tokens=None) -> SampleOutput, where
         params: the model's params pytree.
-        prompt_ids: int32[B, P] prompts, padded (left padding recommended).
-        prompt_valid: bool[B, P], True on real tokens; every row needs at least one
-          (a row with none generates nothing).
+        prompt_ids: int32[B, P] prompts, padded anywhere (left padding recommended).
+        prompt_valid: bool[B, P], True on real tokens; a row with none generates nothing.
         rng: one PRNG key, or [B] keys (typed, or raw uint32[B, 2]) one per row.
         stop_tokens: optional int32[B, K] per-row stop ids, -1 = unused slot;
           `sampling_config.stop_token_ids` apply to every row as well.
@@ -724,236 +673,450 @@ def make_sampler(
 
 
 # ----------------------------------------------------------------------------------------------
-# Multi-turn: continue each row's conversation from its kept context.
+# The session: a decode batch that episodes join and leave (the rollout engine's sampler).
 
 
-def init_context(model_config: ModelConfig, batch_size: int, capacity: int) -> Context:
-  """An empty context: `capacity` invalid slots per row, lengths 0, nothing pending.
+@dataclasses.dataclass(frozen=True)
+class SessionConfig:
+  """Geometry and schedule of a `SamplerSession` (validated on construction).
 
-  Args:
-      model_config: the policy's `ModelConfig` (the cache has its layers, kv heads and dtype).
-      batch_size: B rows.
-      capacity: slots per row; every call uses `slots_needed(...)` of them.
+  rows: S, the decode slots: rows that decode together in one program.
+  max_context_tokens: the most tokens one row may hold (its context and reply); sets the
+      widest page table.
+  page_size: slots per KV page. A row holds ceil(its tokens / page_size) pages (plus room for
+      the next `decode_steps_per_sync` tokens while it decodes); pages return to the pool when
+      the row is released.
+  prefill_chunk: C, the width of every prefill call: the most tokens of one row written per
+      call (a longer input is written over several calls, each with decode steps of the other
+      rows). One width, so that a row's tokens and log-probs do not depend on what else was
+      prefilled with it (bit-exact whatever the timing).
+  prefill_rows: R, the rows of every prefill call (more rows with tokens: several calls).
+  decode_steps_per_sync: k, decode steps per decode call: the host reads the rows' state
+      (finished replies) once per k steps, never per token; a call ends early when no row
+      is decoding.
+  initial_pages: the pool's first size (None: 1 + rows x the pages of one prefill chunk);
+      it doubles when full (each size one compile).
   """
-  return Context(
-    cache=qwen.init_cache(model_config, batch_size, capacity),
-    lengths=jnp.zeros((batch_size,), jnp.int32),
-    pending=jnp.full((batch_size,), -1, jnp.int32),
-  )
+
+  rows: int
+  max_context_tokens: int
+  page_size: int = 32
+  prefill_chunk: int = 64
+  prefill_rows: int = 8
+  decode_steps_per_sync: int = 8
+  initial_pages: Optional[int] = None
+
+  def __post_init__(self):
+    for name in (
+      "rows",
+      "max_context_tokens",
+      "page_size",
+      "prefill_chunk",
+      "prefill_rows",
+      "decode_steps_per_sync",
+    ):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"SessionConfig.{name} must be an int >= 1, got {value!r}")
+    if self.initial_pages is not None and (
+      not isinstance(self.initial_pages, int) or self.initial_pages < 2
+    ):
+      raise ValueError(
+        f"SessionConfig.initial_pages must be None or an int >= 2, got {self.initial_pages!r}"
+      )
 
 
-def slots_needed(context: Context, new_tokens: int, max_new_tokens: int) -> int:
-  """Cache slots the next `continue_sample` call uses beyond `context.cache.index` (host side).
+@dataclasses.dataclass(frozen=True)
+class Reply:
+  """A finished reply of one session row: its sampled tokens, their log-probs, why it ended."""
 
-  The prefill writes one column for the pending tokens plus the S columns of
-  `new_ids` (pads included); decoding writes one slot per step after the first
-  token, at most max_new_tokens - 1 (the last token stays pending). So the
-  call needs S + max(max_new_tokens, 1) slots, whatever the prefill chunk size;
-  compact the context (or fail) when cache.index + that exceeds the capacity.
-
-  Args:
-      context: the `Context` the call will continue (its shape is checked).
-      new_tokens: S, the width of `new_ids` (columns, pads included).
-      max_new_tokens: the most tokens any row may sample in the call.
-
-  Returns:
-      int, the number of slots.
-  """
-  if not isinstance(context, Context):
-    raise TypeError(f"context must be a Context, got {type(context).__name__}")
-  if new_tokens < 0 or max_new_tokens < 0:
-    raise ValueError(
-      f"new_tokens and max_new_tokens must be >= 0, got {new_tokens}, {max_new_tokens}"
-    )
-  return int(new_tokens) + max(int(max_new_tokens), 1)
+  row: int
+  tokens: np.ndarray  # int32[n]
+  logprobs: np.ndarray  # float32[n]
+  finish_reason: FinishReason
 
 
-def compact_context(context: Context) -> Context:
-  """Moves each row's valid slots to the left (stable order); index = the most valid slots of a row.
+@dataclasses.dataclass
+class SessionStats:
+  """Counters of a session (cumulative; `SamplerSession.stats`)."""
 
-  Attention does not depend on where a key sits (the keys already carry RoPE;
-  positions come from `lengths`), so a later call gives the same result (up to
-  the order of float sums) with more free slots. Jit-friendly (one gather of
-  the cache).
-
-  Args:
-      context: a `Context` of B rows.
-
-  Returns:
-      The compacted `Context` (lengths and pending unchanged).
-  """
-  cache = context.cache
-  t = cache.valid.shape[1]
-  valid = cache.valid & (jnp.arange(t)[None, :] < cache.index)
-  order = jnp.argsort(~valid, axis=1, stable=True)  # valid slots first, in their order
-  count = jnp.sum(valid.astype(jnp.int32), axis=1)
-
-  def gather(stack):  # [L, B, K, T, hd]
-    return jnp.take_along_axis(stack, order[None, :, None, :, None], axis=3)
-
-  return context.replace(
-    cache=qwen.KVCache(
-      keys=gather(cache.keys),
-      values=gather(cache.values),
-      valid=jnp.arange(t)[None, :] < count[:, None],
-      index=jnp.max(count).astype(jnp.int32),
-    )
-  )
+  prefill_calls: int = 0
+  prefill_tokens: int = 0
+  decode_calls: int = 0
+  decode_steps: int = 0  # batch steps run (each computes every row)
+  decode_row_steps: int = 0  # steps x rows that were decoding (generated tokens after the first)
+  replies: int = 0
+  peak_cache_slots: int = 0  # pages in use x page_size, at its peak
+  live_tokens_at_peak: int = 0  # the rows' tokens in the cache at that moment
+  pool_pages: int = 0
 
 
-def grow_context(context: Context, capacity: int) -> Context:
-  """The same context with `capacity` slots (>= the current capacity); new slots are invalid.
-
-  Lets a caller start with a cache sized to the first turn and grow it (in a few
-  bucketed sizes, each one compile) as conversations get longer: every decode
-  step attends over all slots, so a cache sized to the longest possible episode
-  costs its full width from the first token.
-
-  Args:
-      context: a `Context`.
-      capacity: the new number of slots (static under jit).
-  """
-  extra = capacity - context.capacity
-  if extra < 0:
-    raise ValueError(f"grow_context: capacity {capacity} < the current {context.capacity}")
-  if extra == 0:
-    return context
-  cache = context.cache
-  pad = ((0, 0), (0, 0), (0, 0), (0, extra), (0, 0))
-  return context.replace(
-    cache=qwen.KVCache(
-      keys=jnp.pad(cache.keys, pad),
-      values=jnp.pad(cache.values, pad),
-      valid=jnp.pad(cache.valid, ((0, 0), (0, extra))),
-      index=cache.index,
-    )
-  )
+def _pow2_bucket(n: int, minimum: int = 1, factor: int = 2) -> int:
+  """The smallest minimum x factor^i >= n."""
+  size = minimum
+  while size < n:
+    size *= factor
+  return size
 
 
-def take_context_rows(context: Context, rows: jax.Array) -> Context:
-  """A context of R rows: rows[r] of `context` (to drop finished episodes, or reorder).
-
-  Args:
-      context: a `Context` of B rows.
-      rows: int32[R], row indices into `context` (repeats allowed).
-
-  Returns:
-      The `Context` of R rows (same capacity and cache index).
-  """
-  chex.assert_rank(rows, 1)
-  chex.assert_type(rows, int)
-  cache = context.cache
-  return Context(
-    cache=qwen.KVCache(
-      keys=jnp.take(cache.keys, rows, axis=1),
-      values=jnp.take(cache.values, rows, axis=1),
-      valid=jnp.take(cache.valid, rows, axis=0),
-      index=cache.index,
-    ),
-    lengths=jnp.take(context.lengths, rows),
-    pending=jnp.take(context.pending, rows),
-  )
-
-
-def _continue_sample(
+def _prefill_program(
   params,
-  context: Context,
-  new_ids,
-  new_valid,
-  rng,
-  stop_tokens=None,
-  max_new_tokens=None,
+  rows: DecodeRows,
+  page_table,
+  row_ids,
+  fresh,
+  ids,
+  valid,
+  begin,
+  keys,
+  limits,
   *,
   model_config: ModelConfig,
   sampling_config: SamplingConfig,
-  cache_sharding,
-) -> tuple[SampleOutput, Context]:
-  """`make_continuer`'s traced function (arguments as `continue_sample`)."""
-  chex.assert_rank([new_ids, new_valid], 2)
-  chex.assert_equal_shape([new_ids, new_valid])
-  chex.assert_type([new_ids, new_valid], [int, bool])
-  b = new_ids.shape[0]
-  chex.assert_shape([context.lengths, context.pending], (b,))
-  chex.assert_shape(context.cache.valid, (b, None))
-  stops, limits = _stops_and_limits(sampling_config, b, stop_tokens, max_new_tokens)
-  return sample_from_context(
+  constrain,
+) -> DecodeRows:
+  """Writes R rows' new tokens (rows `row_ids`; S = padding) and begins the replies of `begin`.
+
+  fresh[r]: the row starts a new context (its length is reset to 0 first).
+  """
+  s = rows.lengths.shape[0]
+  real = row_ids < s
+  safe = jnp.clip(row_ids, 0, s - 1)
+  lengths = jnp.where(fresh, 0, rows.lengths[safe])
+  h_last, cache, lengths = write_tokens(
     params,
-    context,
-    new_ids.astype(jnp.int32),
-    new_valid,
-    _row_keys(rng, b),
-    stops,
+    rows.cache,
+    page_table[safe],
+    lengths,
+    ids,
+    valid & real[:, None],
+    model_config=model_config,
+    chunk_size=None,
+    constrain=constrain,
+  )
+  fields = {
+    f.name: getattr(rows, f.name)[safe] for f in dataclasses.fields(rows) if f.name != "cache"
+  }
+  sub = DecodeRows(cache=cache, **{**fields, "lengths": lengths})
+  sub = begin_replies(
+    sub,
+    begin & real,
+    next_logits(params, h_last, model_config=model_config),
+    keys,
     limits,
+    sub.stops,
+    sampling_config=sampling_config,
+  )
+  merged = {
+    name: getattr(rows, name).at[row_ids].set(getattr(sub, name), mode="drop") for name in fields
+  }
+  return DecodeRows(cache=cache, **merged)
+
+
+def _decode_program(
+  params, rows: DecodeRows, page_table, *, num_steps, model_config, sampling_config, constrain
+):
+  """(rows after up to `num_steps` decode steps, int32 steps run)."""
+
+  def go_on(carry):
+    i, rows = carry
+    return (i < num_steps) & jnp.any(rows.decoding)
+
+  def body(carry):
+    i, rows = carry
+    return i + 1, decode_step(
+      rows,
+      params,
+      page_table,
+      model_config=model_config,
+      sampling_config=sampling_config,
+      constrain=constrain,
+    )
+
+  steps, rows = jax.lax.while_loop(go_on, body, (jnp.zeros((), jnp.int32), rows))
+  return rows, steps
+
+
+_STATICS = ("model_config", "sampling_config", "cache_sharding")
+
+
+@functools.partial(jax.jit, static_argnames=_STATICS, donate_argnums=1)
+def _prefill_jit(params, rows, *args, model_config, sampling_config, cache_sharding):
+  constrain = functools.partial(constrain_cache, cache_sharding=cache_sharding)
+  return _prefill_program(
+    params,
+    rows,
+    *args,
     model_config=model_config,
     sampling_config=sampling_config,
-    constrain=functools.partial(constrain_cache, cache_sharding=cache_sharding),
-    with_pending=True,
+    constrain=constrain,
   )
 
 
-def _check_room(context: Context, new_tokens: int, max_new_tokens, sampling_config) -> None:
-  """Raises when the call could write past the cache (only for concrete, untraced inputs)."""
-  index = context.cache.index
-  if isinstance(index, jax.core.Tracer) or isinstance(max_new_tokens, jax.core.Tracer):
-    return
-  most = sampling_config.max_new_tokens
-  if max_new_tokens is not None:
-    most = min(most, max(int(jnp.max(jnp.asarray(max_new_tokens))), 0))
-  need = slots_needed(context, new_tokens, most)
-  if int(index) + need > context.capacity:
-    raise ValueError(
-      f"the context has {context.capacity - int(index)} free slots (index {int(index)} of "
-      f"{context.capacity}) but this call needs {need} (slots_needed: {new_tokens} new "
-      f"columns, up to {most} new tokens); compact_context(...) or a larger capacity"
-    )
-
-
-def make_continuer(
-  model_config: ModelConfig,
-  sampling_config: SamplingConfig,
-  *,
-  cache_sharding: Optional[Callable[[qwen.KVCache], Any]] = None,
-  jit: bool = True,
+@functools.partial(jax.jit, static_argnames=_STATICS + ("num_steps",), donate_argnums=1)
+def _decode_jit(
+  params, rows, page_table, *, num_steps, model_config, sampling_config, cache_sharding
 ):
-  """Builds the multi-turn sampling function: continue each row's conversation from its context.
-
-  Args:
-      model_config, sampling_config, cache_sharding, jit: as in `make_sampler`.
-
-  Returns:
-      continue_sample(params, context, new_ids, new_valid, rng, stop_tokens=None,
-      max_new_tokens=None) -> (SampleOutput, Context), where
-        params: the model's params pytree.
-        context: the `Context` of B rows (`init_context` on the first turn).
-        new_ids: int32[B, S] each row's NEW tokens (environment observation and the
-          generation prompt; on the first turn the whole prompt), padded anywhere
-          (left padding recommended).
-        new_valid: bool[B, S], True on new tokens. A row may have none if it has a
-          pending token (a row with neither generates nothing).
-        rng, stop_tokens, max_new_tokens: as in `make_sampler`'s `sample`
-          (max_new_tokens 0: the row samples nothing, a cheap passenger).
-      The call writes each row's pending token, then its new tokens, into the cache
-      at RoPE positions lengths, lengths + 1, ..., then samples as `sample` does
-      (same stop / limit / finish_reason / log-prob semantics, row b's token at step
-      t drawn with fold_in(row_key_b, t)). The returned context holds the row's
-      whole conversation: its last token (the last sampled one; for a row that
-      sampled nothing, its last given token) is pending, the rest in the cache.
-      Each call uses `slots_needed(context, S, max new tokens)` slots from
-      cache.index; with concrete inputs the function raises ValueError before it
-      would run out (one scalar read of cache.index).
-  """
-  step = functools.partial(
-    _continue_sample,
-    model_config=_check_configs(model_config, sampling_config),
+  constrain = functools.partial(constrain_cache, cache_sharding=cache_sharding)
+  return _decode_program(
+    params,
+    rows,
+    page_table,
+    num_steps=num_steps,
+    model_config=model_config,
     sampling_config=sampling_config,
-    cache_sharding=cache_sharding,
+    constrain=constrain,
   )
-  run = jax.jit(step) if jit else step
 
-  def continue_sample(
-    params, context, new_ids, new_valid, rng, stop_tokens=None, max_new_tokens=None
-  ) -> tuple[SampleOutput, Context]:
-    _check_room(context, new_ids.shape[1], max_new_tokens, sampling_config)
-    return run(params, context, new_ids, new_valid, rng, stop_tokens, max_new_tokens)
 
-  return continue_sample
+@functools.partial(jax.jit, static_argnums=1, static_argnames="cache_sharding")
+def _grow_jit(rows: DecodeRows, pages: int, *, cache_sharding) -> DecodeRows:
+  """The rows over a pool of `pages` pages (the old pages kept, new ones empty)."""
+  extra = pages - rows.cache.num_pages
+  pad = ((0, 0), (0, extra), (0, 0), (0, 0), (0, 0))
+  cache = qwen.PagedKVCache(
+    keys=jnp.pad(rows.cache.keys, pad), values=jnp.pad(rows.cache.values, pad)
+  )
+  return rows.replace(cache=constrain_cache(cache, cache_sharding))
+
+
+class SamplerSession:
+  """A decode batch of S rows over a paged KV cache, driven from the host.
+
+  Episodes take a row, `give` it tokens (a prompt, then each observation) and get `Reply`s
+  back from `decode`; `release` returns the row and its pages. The session owns the cache:
+  rows, their positions, the page pool (grown by doubling when it runs out), the page
+  table, and the insertion of new tokens (chunked `prefill`). Two kinds of compiled program:
+
+      prefill(R = prefill_rows rows, C = prefill_chunk tokens each)
+      decode(k steps of all S rows)
+
+  each also keyed by the pool size: one shape per program, so a row's tokens and log-probs
+  are the same bits whatever else shares its calls. The page table has one width (the most pages a row can need); attention visits
+  only the blocks of pages the longest live row fills. The programs are module-level: sessions of the same
+  configs share them.
+
+      session = SamplerSession(model_config, sampling_config, SessionConfig(rows=16, ...))
+      session.give(row, prompt_ids, key_data, limit)       # the row owes a reply
+      session.prefill(params); replies = session.decode(params)
+      session.give(row, observation_ids, key_data, limit)  # the reply's last token goes first
+      session.release(row)
+
+  A reply's last token is not written to the cache when it ends; the row's next `give` writes
+  it in front of the new tokens. So a row's cache always holds its conversation so far
+  except that token, at positions 0, 1, ... (its RoPE positions).
+  """
+
+  def __init__(
+    self,
+    model_config: ModelConfig,
+    sampling_config: SamplingConfig,
+    config: SessionConfig,
+    *,
+    cache_sharding: Optional[Callable[[qwen.PagedKVCache], Any]] = None,
+  ):
+    if not isinstance(config, SessionConfig):
+      raise TypeError(f"config must be a SessionConfig, got {type(config).__name__}")
+    self.model_config = _check_configs(model_config, sampling_config)
+    self.sampling_config = sampling_config
+    self.config = config
+    self.num_stops = len(sampling_config.stop_token_ids)
+    pages = -(-(config.max_context_tokens + config.decode_steps_per_sync + 1) // config.page_size)
+    per_block = max(1, self.model_config.attn_block_size // config.page_size)
+    # One page-table width for every program: the work of attention follows the longest row
+    # (`layers.paged_attend`), not the width, and a row's numbers do not depend on it.
+    self.max_pages_per_row = -(-pages // per_block) * per_block
+    self._constrain = functools.partial(constrain_cache, cache_sharding=cache_sharding)
+    statics = dict(
+      model_config=self.model_config, sampling_config=sampling_config, cache_sharding=cache_sharding
+    )
+    # Module-level jitted programs: sessions of the same configs share their compiled programs.
+    self._decode = functools.partial(_decode_jit, num_steps=config.decode_steps_per_sync, **statics)
+    self._prefill = functools.partial(_prefill_jit, **statics)
+    self._grow = functools.partial(_grow_jit, cache_sharding=cache_sharding)
+    self._staged: list[tuple] = []  # prefill calls' inputs, run by the next decode call
+    self.stats = SessionStats()
+    self.rows: Optional[DecodeRows] = None
+    s = config.rows
+    self._pages: list[list[int]] = [[] for _ in range(s)]
+    self._free: list[int] = []
+    self._lengths = np.zeros((s,), np.int64)  # tokens of the row in the cache (host mirror)
+    self._pending = np.full((s,), -1, np.int64)  # the last reply's last token, not in the cache
+    self._input: list[list[int]] = [[] for _ in range(s)]  # tokens still to write
+    self._reply_args: list[Optional[tuple]] = [None] * s  # (key data, limit) once input is written
+    self._fresh = np.ones((s,), bool)  # the row's next write starts a new context
+    self._awaiting = np.zeros((s,), bool)  # the row owes a reply (begun on device)
+
+  # --- rows ---------------------------------------------------------------------------------
+
+  def give(self, row: int, ids: Sequence[int], key_data: np.ndarray, limit: int) -> None:
+    """Queues the row's new tokens; once they are written the row samples a reply of at most
+    `limit` tokens (>= 1) from `key_data` (raw uint32[2] PRNG key)."""
+    if self._awaiting[row] or self._reply_args[row] is not None:
+      raise ValueError(f"row {row} still owes a reply")
+    if not 1 <= limit <= self.sampling_config.max_new_tokens:
+      raise ValueError(f"limit must be in [1, {self.sampling_config.max_new_tokens}], got {limit}")
+    new = ([int(self._pending[row])] if self._pending[row] >= 0 else []) + [int(t) for t in ids]
+    if not new:
+      raise ValueError(f"row {row} was given no token to continue from")
+    if self._lengths[row] + len(new) + limit > self.config.max_context_tokens:
+      raise ValueError(
+        f"row {row}: {self._lengths[row]} tokens + {len(new)} new + a reply of {limit} exceed "
+        f"max_context_tokens={self.config.max_context_tokens}"
+      )
+    self._pending[row] = -1
+    self._input[row] = new
+    self._reply_args[row] = (np.asarray(key_data, np.uint32).reshape(2), int(limit))
+
+  def release(self, row: int) -> None:
+    """Ends the row's context: its pages go back to the pool."""
+    self._free.extend(self._pages[row])
+    self._pages[row] = []
+    self._lengths[row] = 0
+    self._pending[row] = -1
+    self._input[row] = []
+    self._reply_args[row] = None
+    self._fresh[row] = True
+    self._awaiting[row] = False
+
+  @property
+  def busy(self) -> bool:
+    """Some row has tokens to write or a reply to finish."""
+    return bool(self._awaiting.any()) or any(self._input)
+
+  @property
+  def cache_slots(self) -> int:
+    """Slots of the pages rows hold now."""
+    return sum(len(p) for p in self._pages) * self.config.page_size
+
+  @property
+  def live_tokens(self) -> int:
+    """Tokens the rows hold in the cache now."""
+    return int(self._lengths.sum())
+
+  # --- pages --------------------------------------------------------------------------------
+
+  def _start(self) -> None:
+    s, cfg = self.config.rows, self.config
+    pages = cfg.initial_pages or 1 + s * -(
+      -min(cfg.prefill_chunk, cfg.max_context_tokens) // cfg.page_size
+    )
+    cache = self._constrain(qwen.init_paged_cache(self.model_config, pages, cfg.page_size))
+    rows = init_rows(
+      cache, s, self.num_stops, self.sampling_config.max_new_tokens, self.sampling_config.pad_id
+    )
+    shared = jnp.asarray(self.sampling_config.stop_token_ids, jnp.int32).reshape(1, -1)
+    self.rows = rows.replace(stops=jnp.broadcast_to(shared, (s, self.num_stops)))
+    self._free = list(range(pages - 1, 0, -1))  # page 0 is the scratch page
+    self.stats.pool_pages = pages
+
+  def _reserve(self, row: int, tokens: int) -> None:
+    """Gives the row pages for its first `tokens` positions."""
+    need = -(-tokens // self.config.page_size)
+    if need > self.max_pages_per_row:
+      raise ValueError(f"row {row} needs {need} pages > {self.max_pages_per_row}")
+    while len(self._pages[row]) < need:
+      if not self._free:
+        old = self.rows.cache.num_pages
+        self.rows = self._grow(self.rows, 2 * old)
+        self._free = list(range(2 * old - 1, old - 1, -1))
+        self.stats.pool_pages = 2 * old
+      self._pages[row].append(self._free.pop())
+
+  def _page_table(self) -> np.ndarray:
+    table = np.zeros((self.config.rows, self.max_pages_per_row), np.int32)
+    for r, pages in enumerate(self._pages):
+      table[r, : len(pages)] = pages
+    return table
+
+  def _note_peak(self) -> None:
+    slots = self.cache_slots
+    if slots > self.stats.peak_cache_slots:
+      self.stats.peak_cache_slots = slots
+      self.stats.live_tokens_at_peak = self.live_tokens
+
+  # --- the programs ---------------------------------------------------------------------------
+
+  def prefill(self, params) -> int:
+    """Writes up to `prefill_chunk` queued tokens of every row that has some (one call);
+    rows whose input is then complete begin their reply. Returns the tokens written.
+
+    The calls are dispatched by the next `decode` (before its decode steps, with no host
+    read in between): `decode` must follow (before `give` or `release`)."""
+    if self.rows is None:
+      self._start()
+    cfg = self.config
+    todo = [r for r in range(cfg.rows) if self._input[r]]
+    if not todo:
+      return 0
+    # One shape for every prefill call, R rows x C tokens: a row's numbers do not depend on
+    # what else was prefilled with it (a wider or taller call changes the float rounding of
+    # its matmuls). More rows than R: several calls.
+    n, width = min(cfg.prefill_rows, cfg.rows), cfg.prefill_chunk
+    written = 0
+    for start in range(0, len(todo), n):
+      row_ids = np.full((n,), cfg.rows, np.int32)
+      fresh = np.zeros((n,), bool)
+      ids = np.zeros((n, width), np.int32)
+      valid = np.zeros((n, width), bool)
+      begin = np.zeros((n,), bool)
+      keys = np.zeros((n, 2), np.uint32)
+      limits = np.zeros((n,), np.int32)
+      for i, r in enumerate(todo[start : start + n]):
+        chunk = self._input[r][:width]
+        self._input[r] = self._input[r][len(chunk) :]
+        self._reserve(r, int(self._lengths[r]) + len(chunk))
+        row_ids[i], fresh[i] = r, self._fresh[r]
+        ids[i, : len(chunk)] = chunk
+        valid[i, : len(chunk)] = True
+        self._fresh[r] = False
+        self._lengths[r] += len(chunk)
+        written += len(chunk)
+        if not self._input[r]:
+          begin[i] = True
+          keys[i], limits[i] = self._reply_args[r]
+          self._reply_args[r] = None
+          self._awaiting[r] = True
+      self._staged.append((row_ids, fresh, ids, valid, begin, keys, limits))  # run by decode
+      self.stats.prefill_calls += 1
+    self._note_peak()
+    self.stats.prefill_tokens += written
+    return written
+
+  def decode(self, params) -> list[Reply]:
+    """Up to k decode steps of every decoding row, then one host read; returns the replies
+    that ended (also those that ended on their first token, in `prefill`)."""
+    if not self._awaiting.any() and not self._staged:
+      return []
+    k = self.config.decode_steps_per_sync
+    for r in np.flatnonzero(self._awaiting):
+      self._reserve(int(r), int(self._lengths[r]) + k)
+    self._note_peak()
+    table = self._page_table()
+    staged, self._staged = self._staged, []
+    for call in staged:
+      self.rows = self._prefill(params, self.rows, table, *call)
+    self.rows, steps = self._decode(params, self.rows, table)
+    state = jax.device_get(
+      (self.rows.lengths, self.rows.decoding, self.rows.steps, self.rows.finish_reason, steps)
+    )
+    lengths, decoding, reply_steps, finish, steps = state
+    self.stats.decode_calls += 1
+    self.stats.decode_steps += int(steps)
+    self.stats.decode_row_steps += int(np.sum((lengths - self._lengths)[self._awaiting]))
+    # Only the rows that were decoding moved (released rows keep a stale device length).
+    self._lengths = np.where(self._awaiting, lengths, self._lengths).astype(np.int64)
+    done = np.flatnonzero(self._awaiting & ~decoding)
+    if not len(done):
+      return []
+    tokens, logprobs = jax.device_get((self.rows.tokens, self.rows.logprobs))
+    replies = []
+    for r in done:
+      n = int(reply_steps[r])
+      self._awaiting[r] = False
+      self._pending[r] = int(tokens[r, n - 1]) if n else -1
+      replies.append(
+        Reply(int(r), tokens[r, :n].copy(), logprobs[r, :n].copy(), FinishReason(int(finish[r])))
+      )
+    self.stats.replies += len(replies)
+    return replies

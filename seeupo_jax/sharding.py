@@ -112,7 +112,15 @@ def param_shardings(params: Any, mesh: Mesh) -> Any:
 
 
 def cache_shardings(cache: Any, mesh: Mesh) -> Any:
-  """NamedSharding per field of a `KVCache` (batch over data+fsdp, kv heads over tensor)."""
+  """NamedSharding per field of a `KVCache` (batch over data+fsdp, kv heads over tensor) or of
+  a `PagedKVCache` (kv heads over tensor; the page pool is shared by all rows, so it is not
+  split over the batch axes: with data > 1 every data shard holds every row's pages)."""
+  if not hasattr(cache, "valid"):  # PagedKVCache [L, pages, K, page, hd]
+    paged = P(None, None, "tensor", None, None)
+    return type(cache)(
+      keys=NamedSharding(mesh, fit_spec(paged, cache.keys.shape, mesh)),
+      values=NamedSharding(mesh, fit_spec(paged, cache.values.shape, mesh)),
+    )
   kv = P(None, BATCH, "tensor", None, None)  # [L, B, K, T, hd]
   return type(cache)(
     keys=NamedSharding(mesh, fit_spec(kv, cache.keys.shape, mesh)),

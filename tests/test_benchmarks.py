@@ -166,6 +166,28 @@ def test_bench_multiturn_continue_and_reprefill_sample_the_same():
 
 
 @pytest.mark.slow
+def test_bench_decode_layout_compiles_the_session_decode_program_per_layout():
+  result = _run(
+    "bench_decode_layout.py",
+    *("--preset", "qwen3-tiny", "--heads", "0", "--kv-heads", "0", "--big-preset", "none"),
+    *("--batch", "8", "--prompt", "8", "--new", "4", "--capacity", "32", "--page-size", "8"),
+    *("--reshard-repeats", "1"),
+  )
+  assert result["devices"] == 8
+  layouts = result["small"]["layouts"]
+  assert set(layouts) == {"learner", "tensor=8", "tensor=4,data=2"}
+  for name, agree in result["small"]["vs_learner"].items():
+    assert agree["tokens_equal"], name  # every layout samples the same tokens
+  step = {name: e["decode_step"]["total"]["link_bytes"] for name, e in layouts.items()}
+  # The learner layout gathers the layers' weights every decode step; the decode layouts do not.
+  assert max(step["tensor=8"], step["tensor=4,data=2"]) < step["learner"] / 4
+  for e in layouts.values():
+    assert e["call"]["total"]["link_bytes"] >= e["decode_step"]["total"]["link_bytes"]
+    assert e["prefill_call"]["total"]["ops"] > 0 and e["cache_bytes_per_device"] > 0
+  assert "reshard" in layouts["tensor=8"] and "reshard" not in layouts["learner"]
+
+
+@pytest.mark.slow
 def test_bench_train_times_seeupo_and_gspo_iterations(tmp_path, monkeypatch):
   # Both programs compile the same rollout sampler: a fresh compilation cache lets the second
   # read the first's executable (CI time only; the timed rounds come after the warm-up).

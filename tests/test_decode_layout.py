@@ -161,6 +161,11 @@ class DecodeLayoutTest(parameterized.TestCase):
     self.assertEqual(specs["lm_head"]["kernel"], P(None, "tensor"))
     cache = layout.cache_sharding(qwen.init_cache(config, 8, 16))
     self.assertEqual(cache.keys.spec[2], head_axis)
+    # The sampler's paged pool [L, pages, K, page, hd]: kv heads over "tensor" only (every row
+    # may own any page, so the pool is not split over the rows' axes).
+    paged = layout.cache_sharding(qwen.init_paged_cache(config, 9, 8))
+    for spec in (paged.keys.spec, paged.values.spec):
+      self.assertEqual(tuple(spec) + (None,) * (5 - len(spec)), (None, None, head_axis, None, None))
 
   def test_reshard_casts_moves_and_reuses_the_previous_buffers(self):
     config = _tiny("bfloat16")
@@ -196,26 +201,46 @@ class DecodeLayoutTest(parameterized.TestCase):
 
 
 class DecodeSamplerTest(parameterized.TestCase):
-  """The sampler on the decode layout: same tokens, and a decode step free of weight gathers."""
+  """The session's decode program on the decode layout: same tokens, and a decode step free of
+  weight gathers."""
 
-  B, S, N, CAPACITY = 8, 6, 6, 16
+  B, S, N, PAGE = 8, 6, 6, 4
 
   def _compile(self, config, mesh, params):
+    """Prefills B rows (`_prefill_jit`, as `SamplerSession.prefill` does), then compiles the
+    session's decode program (`_decode_jit`, N steps: every reply to its end) and runs it.
+
+    Returns (the decode program's HLO text, the rows after it)."""
     sc = sampling.SamplingConfig(max_new_tokens=self.N)
-    run = jax.jit(
-      sampling.make_continuer(
-        config, sc, cache_sharding=functools.partial(sharding.cache_shardings, mesh=mesh), jit=False
-      )
-    )
+    cache_sharding = functools.partial(sharding.cache_shardings, mesh=mesh)
+    statics = dict(model_config=config, sampling_config=sc, cache_sharding=cache_sharding)
+    b, pages = self.B, -(-(self.S + self.N) // self.PAGE)  # pages per row
     rng = np.random.default_rng(0)
-    ids = jnp.asarray(rng.integers(0, config.vocab_size, (self.B, self.S)), jnp.int32)
-    valid = jnp.asarray(np.arange(self.S)[None, :] >= np.arange(self.B)[:, None] % 3)
-    context = sampling.init_context(config, self.B, self.CAPACITY)
-    args = (params, context, ids, valid, jax.random.key(3))
+    ids = jnp.asarray(rng.integers(0, config.vocab_size, (b, self.S)), jnp.int32)
+    valid = jnp.asarray(np.arange(self.S)[None, :] >= np.arange(b)[:, None] % 3)
+    table = jnp.asarray(1 + np.arange(b * pages).reshape(b, pages), jnp.int32)  # page 0: scratch
+    keys = jax.random.key_data(jax.random.split(jax.random.key(3), b))
     with jax.set_mesh(mesh):
-      compiled = run.lower(*args).compile()
-      out, _ = compiled(*args)
-    return compiled.as_text(), jax.device_get(out)
+      cache = qwen.init_paged_cache(config, 1 + b * pages, self.PAGE)
+      cache = jax.device_put(cache, cache_sharding(cache))
+      rows = sampling.init_rows(cache, b, 0, self.N, sc.pad_id)
+      rows = sampling._prefill_jit(
+        params,
+        rows,
+        table,
+        jnp.arange(b, dtype=jnp.int32),  # row ids
+        jnp.ones((b,), bool),  # fresh contexts
+        ids,
+        valid,
+        jnp.ones((b,), bool),  # every row begins its reply
+        keys,
+        jnp.full((b,), self.N, jnp.int32),
+        **statics,
+      )
+      compiled = sampling._decode_jit.lower(params, rows, table, num_steps=self.N, **statics)
+      compiled = compiled.compile()
+      rows, _ = compiled(params, rows, table)
+    return compiled.as_text(), jax.device_get(rows)
 
   def _learner_and_decode(self, config, tensor):
     mesh = sharding.make_mesh(fsdp=-1)
@@ -234,7 +259,8 @@ class DecodeSamplerTest(parameterized.TestCase):
     config = _tiny(dtype, num_heads=8, num_kv_heads=kv_heads)
     (hlo_before, out_before), (hlo_after, out_after) = self._learner_and_decode(config, tensor)
     np.testing.assert_array_equal(out_after.tokens, out_before.tokens)
-    np.testing.assert_array_equal(out_after.lengths, out_before.lengths)
+    np.testing.assert_array_equal(out_after.steps, out_before.steps)
+    np.testing.assert_array_equal(out_after.steps, self.N)  # no stop tokens: every row ran N
     np.testing.assert_allclose(out_after.logprobs, out_before.logprobs, atol=logp_tol)
 
     def step(text):
@@ -251,11 +277,19 @@ class DecodeSamplerTest(parameterized.TestCase):
     )
     self.assertGreaterEqual(gathered, layer_weights)
     self.assertTrue(any(op.kind == "all-gather" and op.count == layers for op in before))
-    # After: no all-gather bigger than a row's sampling statistics; the activations' all-reduces.
-    self.assertEqual(
-      [op for op in after if op.kind == "all-gather" and op.operand_bytes > 8 * self.B], []
-    )
-    rows = self.B // (8 // tensor)  # per data replica
+    # After: no weight gather. The all-gathers bigger than a row's sampling statistics are
+    # the step's new keys and values, one each, over the data replicas only: the paged pool
+    # is replicated over "data" (any row may own any page), so every replica writes every
+    # row's new slot ([L, rows per replica, kv heads per device, hd], float32 at most).
+    data = 8 // tensor
+    rows = self.B // data  # per data replica
+    kv_local = kv_heads // tensor if kv_heads % tensor == 0 else kv_heads
+    new_kv = layers * rows * kv_local * config.head_dim * 4
+    big = [op for op in after if op.kind == "all-gather" and op.operand_bytes > 8 * self.B]
+    self.assertLen(big, 2 if data > 1 else 0)
+    for op in big:
+      self.assertEqual((op.group_size, op.count), (data, 1))
+      self.assertLessEqual(op.operand_bytes, new_kv)
     hidden = rows * config.hidden_size * 4  # [rows, 1, D]; XLA:CPU reduces bf16 in float32
     per_layer = [op for op in after if op.operand_bytes == hidden and op.count == layers]
     self.assertLen(per_layer, 2 if tensor > 1 and kv_heads % tensor == 0 else 1)

@@ -106,16 +106,16 @@ def _roller(chat, tok, *, max_turns=4, max_new=5, delay=0.0, **kw):
 
 
 class Recorder:
-  """Wraps the roller's sampler and keeps every call's output, per context row."""
+  """Wraps the roller's sampler session and keeps every reply it returned."""
 
   def __init__(self, roller):
-    self.inner, self.outputs = roller.continue_sample, []
-    roller.continue_sample = self
+    self.inner, self.replies = roller.session.decode, []
+    roller.session.decode = self
 
   def __call__(self, *args, **kwargs):
-    out, context = self.inner(*args, **kwargs)
-    self.outputs.append(jax.device_get(out))
-    return out, context
+    replies = self.inner(*args, **kwargs)
+    self.replies.extend(replies)
+    return replies
 
 
 def _teacher_forced(params, batch):
@@ -131,24 +131,18 @@ def test_tokens_in_tokens_out(params, chat, tok):
   result = roller.run(params, tasks, 3, jax.random.key(1))
   roller.close()
   trajectories = result.trajectories
-  # Replies in the trajectories, in order, against the sampler's raw outputs of each turn.
-  sampled = {}
-  for turn, out in enumerate(recorder.outputs):
-    for r in range(out.tokens.shape[0]):
-      n = int(out.lengths[r])
-      if n:
-        sampled.setdefault(turn, []).append((out.tokens[r, :n].tolist(), out.logprobs[r, :n]))
-  for turn in range(4):
-    mine = []
-    for t in trajectories:
+  # Replies in the trajectories against the sampler's raw replies (every reply, once).
+  sampled = [(r.tokens.tolist(), r.logprobs) for r in recorder.replies]
+  mine = []
+  for t in trajectories:
+    for turn in range(t.num_turns):
       ids = [x for x, k in zip(t.tokens, t.turn_ids) if k == turn]
       lps = [x for x, k in zip(t.logprobs, t.turn_ids) if k == turn]
-      if ids:
-        mine.append((ids, np.asarray(lps, np.float32)))
-    assert sorted(m[0] for m in mine) == sorted(s[0] for s in sampled.get(turn, []))
-    by_ids = {tuple(s[0]): s[1] for s in sampled.get(turn, [])}
-    for ids, lps in mine:
-      np.testing.assert_array_equal(lps, by_ids[tuple(ids)])
+      mine.append((ids, np.asarray(lps, np.float32)))
+  assert sorted(m[0] for m in mine) == sorted(s[0] for s in sampled)
+  by_ids = {tuple(s[0]): s[1] for s in sampled}
+  for ids, lps in mine:
+    np.testing.assert_array_equal(lps, by_ids[tuple(ids)])
   assert [t.num_turns for t in trajectories] == [3] * 3 + [1] * 3 + [4] * 3 + [2] * 3
   assert all(t.finish_reason == "done" for t in trajectories)
 
@@ -246,16 +240,15 @@ def test_an_episode_whose_server_recovers_is_replayed_from_the_start(params, cha
   assert batch.row_valid.all()
 
 
-def test_an_environment_of_limited_capacity_gets_its_episodes_in_waves(params, chat, tok):
-  """capacity 3 (e.g. 3 healthy servers): 8 episodes run as waves of 3, 3, 2, never more than 3
-  open at once, and come back in their places with their groups."""
+def test_an_environment_of_limited_capacity_gets_at_most_that_many_live_episodes(params, chat, tok):
+  """capacity 3 (e.g. 3 healthy servers): 8 episodes run 3 at a time (a freed slot takes the
+  next), never more than 3 open at once, and come back in their places with their groups."""
   roller = _roller(chat, tok, max_turns=2, max_new=3)
   roller.spec = dataclasses.replace(roller.spec, capacity=lambda: 3)
   ScriptedEnv.open_now = ScriptedEnv.most_open = 0
   result = roller.run(params, ["1/1/", "2/1/"], 4, jax.random.key(9))
   roller.close()
   assert ScriptedEnv.most_open == 3 and ScriptedEnv.open_now == 0
-  assert result.metrics["rollout/passes"] == 3
   assert [(t.task_id, t.group, t.sample) for t in result.trajectories] == [
     (task, g, s) for g, task in enumerate(["1/1/", "2/1/"]) for s in range(4)
   ]
@@ -276,13 +269,16 @@ def test_too_many_failures_raise_instead_of_zero_rewards(params, chat, tok):
   roller.close()
 
 
-def test_finished_rows_leave_the_sampler_batch(params, chat, tok):
-  """16 trajectories, 12 done after one turn: later turns sample 4 rows (bucket 4), not 16."""
-  roller = _roller(chat, tok, max_turns=3, max_new=3, min_row_bucket=4)
-  recorder = Recorder(roller)
+def test_more_episodes_than_decode_slots(params, chat, tok):
+  """16 episodes on 4 decode slots: never more than 4 live, a finished episode's slot takes the
+  next one (its pages back in the pool), and every reply is still the sampler's own."""
+  roller = _roller(chat, tok, max_turns=3, max_new=3, decode_slots=4)
+  ScriptedEnv.open_now = ScriptedEnv.most_open = 0
   result = roller.run(params, ["1/1/"] * 3 + ["3/1/"], 4, jax.random.key(8))
   roller.close()
-  assert [o.tokens.shape[0] for o in recorder.outputs] == [16, 4, 4]
+  assert ScriptedEnv.most_open == 4 and ScriptedEnv.open_now == 0
+  assert [t.num_turns for t in result.trajectories] == [1] * 12 + [3] * 4
+  assert roller.session.cache_slots == 0  # every row released
   batch = rollout.collate(result.trajectories, num_turns=3, max_len=1024, length_bucket=16)
   logp = _teacher_forced(params, batch)
   generated = batch.turn_ids >= 0

@@ -1,15 +1,26 @@
-"""Tests of the multi-turn sampler: `make_continuer` and the `Context` helpers.
+"""Tests of multi-turn sampling: `sampling.SamplerSession` over the paged KV cache.
 
-A 3-turn episode on a tiny random Qwen3 (float32): turn 1 gives each row its
-prompt, turns 2 and 3 its "environment" tokens (different lengths per row,
-left-padded, one row with none). Two independent routes check each turn: the
-one-shot `make_sampler` on the whole conversation so far (prompt + earlier
-samples + new tokens, left-padded) with the same row keys, and teacher-forced
-`qwen.token_logprobs` over the final conversation.
+A session is driven the way the rollout engine drives it: a row is given a prompt, prefill /
+decode run until its `Reply` comes back, the row is given an observation (its reply's last
+token goes in front of it), ..., and released when its conversation ends (a released row may
+start a new conversation). On a tiny random Qwen3 (float32), one episode of 4 rows plays 5
+conversations of very different lengths (up to the 59-token context, and under 20) and 1 to 3
+turns each, with no padding between rows (each row writes at its own positions):
+
+  BATCH  4 rows, prefill_chunk 32 (the 40-token prompt takes two prefill calls), a pool of 9
+         pages that doubles mid-episode (after pages were written);
+  SOLO   1 row, prefill_chunk 64 (every input in one call), a pool that never grows: every
+         conversation replayed alone in a fresh session with the same reply keys.
+
+Checks: the replies' log-probs equal teacher-forced `qwen.token_logprobs` over each whole
+conversation; the batch's replies equal the solo ones (tokens equal, log-probs within 1e-5:
+independent of the batch, the row index, the prefill chunking, the pool growth, and of a
+row's earlier, released conversation); page accounting at every call; stop / limit / finish
+reasons; the session's errors. The programs are module-level jits keyed by the configs and
+shapes: the geometry below is chosen so that the whole file compiles a handful of them.
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,48 +28,62 @@ import numpy as np
 import pytest
 
 from seeupo_jax import sampling
-from seeupo_jax import sharding
 from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.models import qwen
 
 N_NEW = 8
-B = 4
-NEW_WIDTH = 8  # width of new_ids every turn (each turn uses NEW_WIDTH + N_NEW slots at most)
-CAPACITY = 3 * (NEW_WIDTH + N_NEW)
-REF_WIDTH = 40  # the whole conversation before turn 3 is at most 7 + 8 + 6 + 8 + 6 = 35 tokens
+MAX_CONTEXT = 59
+PAGE = 8
+K = 4  # decode steps per sync
+STOP_IDS = tuple(int(t) for t in np.random.default_rng(0).choice(512, 40, replace=False))
+SAMPLE_CFG = sampling.SamplingConfig(
+  max_new_tokens=N_NEW, temperature=0.7, top_k=40, top_p=0.9, stop_token_ids=STOP_IDS
+)
+# One page-table width (the most pages a row can need) and one prefill shape per session.
+BATCH = sampling.SessionConfig(
+  rows=4,
+  max_context_tokens=MAX_CONTEXT,
+  page_size=PAGE,
+  prefill_chunk=32,
+  prefill_rows=4,
+  decode_steps_per_sync=K,
+  initial_pages=9,  # the first prefill's 8 pages; row 0's 5th page doubles the pool
+)
+# A pool that holds one row, a wider prefill.
+SOLO = sampling.SessionConfig(
+  rows=1,
+  max_context_tokens=MAX_CONTEXT,
+  page_size=PAGE,
+  prefill_chunk=64,
+  prefill_rows=1,
+  decode_steps_per_sync=K,
+  initial_pages=9,
+)
 
-PROMPTS = [[5, 17, 300, 42, 9, 77, 101], [8, 8, 9], [250, 251, 252, 253, 12], [3, 1, 4, 1, 5, 9]]
-ENV_LENGTHS = {2: [3, 6, 1, 5], 3: [2, 0, 6, 4]}  # row 1 gets no new token on turn 3
-# Per-row max new tokens: 0 makes the row a passenger for that turn.
-LIMITS = {1: [8, 3, 0, 8], 2: [8, 0, 8, 2], 3: [0, 8, 8, 8]}
 
-SAMPLE_CFG = sampling.SamplingConfig(max_new_tokens=N_NEW, temperature=0.7, top_k=40, top_p=0.9)
-GREEDY_CFG = sampling.SamplingConfig(max_new_tokens=N_NEW, greedy=True)
+def _tokens(seed, n):
+  return [int(t) for t in np.random.default_rng(seed).integers(0, 500, n)]
 
 
-def _stop_table():
-  """int32[B, 40]: 40 distinct random stop ids per row (about 1 in 13 tokens under uniform)."""
-  rng = np.random.default_rng(0)
-  return np.stack([rng.choice(512, 40, replace=False) for _ in range(B)]).astype(np.int32)
+def _key(conversation, turn):
+  return np.array([1000 + conversation, turn], np.uint32)
 
 
-STOPS = _stop_table()
-
-
-def _env_tokens(turn):
-  rng = np.random.default_rng(turn)
-  return [list(rng.integers(0, 500, n)) for n in ENV_LENGTHS[turn]]
-
-
-def _left_pad(rows, width):
-  ids = np.zeros((len(rows), width), np.int32)
-  valid = np.zeros((len(rows), width), bool)
-  for b, r in enumerate(rows):
-    assert len(r) <= width
-    if r:
-      ids[b, width - len(r) :] = r
-      valid[b, width - len(r) :] = True
-  return jnp.asarray(ids), jnp.asarray(valid)
+# Conversations: a list of turns (new tokens, reply key, reply limit). Lengths in tokens at most
+# (prompt + replies + observations): c0 59 (the max context), c1 18, c2a 20, c2b 19, c3 19.
+CONVERSATIONS = {
+  "c0": [(_tokens(1, 40), _key(0, 0), 8), (_tokens(2, 3), _key(0, 1), 6), ([], _key(0, 2), 2)],
+  "c1": [(_tokens(3, 3), _key(1, 0), 3), (_tokens(4, 5), _key(1, 1), 4), ([], _key(1, 2), 3)],
+  "c2a": [(_tokens(5, 12), _key(2, 0), 8)],
+  "c2b": [(_tokens(6, 5), _key(3, 0), 6), (_tokens(7, 4), _key(3, 1), 4)],
+  "c3": [
+    (_tokens(8, 1), _key(4, 0), 5),
+    (_tokens(9, 1), _key(4, 1), 5),
+    (_tokens(10, 2), _key(4, 2), 5),
+  ],
+}
+# Row -> its conversations in order (row 2 is released after c2a and starts c2b).
+ROWS = {0: ["c0"], 1: ["c1"], 2: ["c2a", "c2b"], 3: ["c3"]}
 
 
 @pytest.fixture(scope="module")
@@ -71,69 +96,76 @@ def model():
   return cfg, params
 
 
-@functools.lru_cache(maxsize=None)
-def _continuer(cfg, sc):
-  return sampling.make_continuer(cfg, sc)
-
-
-@functools.lru_cache(maxsize=None)
-def _sampler(cfg, sc):
-  return sampling.make_sampler(cfg, sc)
-
-
-def _turn_inputs(turn):
-  """(new token lists per row, keys [B], limits int32[B]) of one turn."""
-  rows = PROMPTS if turn == 1 else _env_tokens(turn)
-  keys = jax.random.split(jax.random.key(100 + turn), B)
-  return rows, keys, jnp.asarray(LIMITS[turn], jnp.int32)
-
-
 @dataclasses.dataclass
-class Turn:
-  new_rows: list  # the new tokens of each row
-  keys: jax.Array
-  limits: jax.Array
-  context_before: sampling.Context
-  out: sampling.SampleOutput  # continue_sample's
-  context_after: sampling.Context
-  ref: sampling.SampleOutput  # make_sampler's on the whole conversation
-  sampled_at: list  # per row: index in the conversation of the first token sampled this turn
+class Played:
+  session: sampling.SamplerSession
+  replies: dict  # conversation name -> [Reply] per turn
+  conversations: dict  # conversation name -> all its tokens (given and sampled), in order
+  calls: list  # per prefill / decode call: (kind, cache_slots, live_tokens, pool_pages, n)
+  # n: tokens written (prefill) or replies returned (decode)
 
 
-def _run_episode(model, sc, continue_sample=None, turns=3, reference=True):
-  """Runs the episode with continue_sample (and make_sampler on the whole conversation)."""
+def play(session, params, rows, release_last=False):
+  """Drives `session` like the rollout engine: each row plays its conversations in order,
+  one turn given as soon as the previous reply arrived, released between conversations."""
+  played = Played(session, {}, {}, [])
+  todo = {r: [(name, 0) for name in names] for r, names in rows.items()}
+
+  def feed(r):
+    while todo[r]:
+      name, turn = todo[r][0]
+      turns = CONVERSATIONS[name]
+      if turn < len(turns):
+        ids, key, limit = turns[turn]
+        session.give(r, ids, key, limit)
+        played.conversations.setdefault(name, []).extend(ids)
+        played.replies.setdefault(name, [])
+        return
+      todo[r].pop(0)
+      if todo[r] or release_last:
+        session.release(r)
+
+  def note(kind, n):
+    slots, live = session.cache_slots, session.live_tokens
+    played.calls.append((kind, slots, live, session.stats.pool_pages, n))
+    # Pages cover the rows' tokens, with at most a page's rest + one decode call's room each.
+    assert live <= slots <= live + session.config.rows * (PAGE + K), played.calls[-1]
+
+  for r in rows:
+    feed(r)
+  while session.busy:
+    note("prefill", session.prefill(params))
+    replies = session.decode(params)
+    for reply in replies:
+      name, turn = todo[reply.row][0]
+      played.replies[name].append(reply)
+      played.conversations[name].extend(int(t) for t in reply.tokens)
+      todo[reply.row][0] = (name, turn + 1)
+      feed(reply.row)
+    note("decode", len(replies))
+  return played
+
+
+@pytest.fixture(scope="module")
+def batch(model):
   cfg, params = model
-  continue_sample = continue_sample or _continuer(cfg, sc)
-  context = sampling.init_context(cfg, B, CAPACITY)
-  conversation = [[] for _ in range(B)]
-  stops = jnp.asarray(STOPS)
-  record = []
-  for turn in range(1, turns + 1):
-    rows, keys, limits = _turn_inputs(turn)
-    new_ids, new_valid = _left_pad(rows, NEW_WIDTH)
-    out, new_context = continue_sample(params, context, new_ids, new_valid, keys, stops, limits)
-    for b in range(B):
-      conversation[b] += [int(t) for t in rows[b]]
-    ref_ids, ref_valid = _left_pad(conversation, REF_WIDTH)
-    ref = _sampler(cfg, sc)(params, ref_ids, ref_valid, keys, stops, limits) if reference else None
-    sampled_at = [len(c) for c in conversation]
-    for b in range(B):
-      conversation[b] += [int(t) for t in np.asarray(out.tokens[b, : int(out.lengths[b])])]
-    record.append(Turn(rows, keys, limits, context, out, new_context, ref, sampled_at))
-    context = new_context
-  return record, conversation
+  return play(sampling.SamplerSession(cfg, SAMPLE_CFG, BATCH), params, ROWS)
 
 
-@pytest.fixture(scope="module", params=["sample", "greedy"])
-def episode(model, request):
-  sc = {"sample": SAMPLE_CFG, "greedy": GREEDY_CFG}[request.param]
-  record, conversation = _run_episode(model, sc)
-  return sc, record, conversation
+@pytest.fixture(scope="module")
+def solo(model):
+  """Every conversation alone in a fresh 1-row session (the programs are shared)."""
+  cfg, params = model
+  out = {}
+  for name in CONVERSATIONS:
+    out[name] = play(sampling.SamplerSession(cfg, SAMPLE_CFG, SOLO), params, {0: [name]})
+  return out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "temperature"))
-def _teacher_forced(params, ids, valid, *, cfg, temperature):
+@jax.jit
+def _teacher_forced(params, ids, valid):
   """logp[b, s] = log p(ids[b, s + 1] | ids[b, :s + 1]) by teacher forcing: f32[B, S - 1]."""
+  cfg = model_config_lib.get_preset("qwen3-tiny")
   positions = sampling.prompt_positions(valid)
   return qwen.token_logprobs(
     params,
@@ -142,246 +174,178 @@ def _teacher_forced(params, ids, valid, *, cfg, temperature):
     positions[:, :-1],
     valid[:, :-1],
     config=cfg,
-    temperature=temperature,
+    temperature=SAMPLE_CFG.temperature,
   )
 
 
-def _assert_same_output(got, want, rows=slice(None)):
-  np.testing.assert_array_equal(got.tokens, np.asarray(want.tokens)[rows])
-  np.testing.assert_array_equal(got.lengths, np.asarray(want.lengths)[rows])
-  np.testing.assert_array_equal(got.mask, np.asarray(want.mask)[rows])
-  np.testing.assert_array_equal(got.finish_reason, np.asarray(want.finish_reason)[rows])
-  np.testing.assert_allclose(got.logprobs, np.asarray(want.logprobs)[rows], atol=1e-5)
-
-
 # ---------------------------------------------------------------------------------------------
-# The episode against its two references.
+# The episode against teacher forcing and against each conversation played alone.
 
 
-def test_turns_equal_make_sampler_on_the_whole_conversation(episode):
-  _, record, _ = episode
-  for turn in record:
-    _assert_same_output(turn.out, turn.ref)
-
-
-def test_logprobs_equal_teacher_forcing_over_the_whole_conversation(model, episode):
+def test_logprobs_equal_teacher_forcing_over_the_whole_conversation(model, batch):
   cfg, params = model
-  sc, record, conversation = episode
-  width = max(len(c) for c in conversation)
-  ids, valid = _left_pad(conversation, width)
-  logp = np.asarray(_teacher_forced(params, ids, valid, cfg=cfg, temperature=sc.temperature))
+  names = list(CONVERSATIONS)
+  width = 64
+  ids = np.zeros((len(names), width), np.int32)
+  valid = np.zeros((len(names), width), bool)
+  for b, name in enumerate(names):
+    conv = batch.conversations[name]
+    ids[b, : len(conv)], valid[b, : len(conv)] = conv, True
+  logp = np.asarray(_teacher_forced(params, jnp.asarray(ids), jnp.asarray(valid)))
   checked = 0
-  for turn in record:
-    for b in range(B):
-      n = int(turn.out.lengths[b])
-      start = width - len(conversation[b]) + turn.sampled_at[b]  # slot of the first sample
-      # float32 rounding between a cached decode and one full forward: on jax 0.10.2, 1.05e-5
-      # at a log-prob of -4.57 (2.3e-6 relative), so the bound is relative as well as absolute.
+  for b, name in enumerate(names):
+    start = 0  # slot of the reply's first token in the conversation
+    for (new, _, _), reply in zip(CONVERSATIONS[name], batch.replies[name]):
+      start += len(new)
+      n = len(reply.tokens)
+      np.testing.assert_array_equal(reply.tokens, ids[b, start : start + n])
+      # float32 rounding between a paged decode and one full forward: the bound is relative
+      # as well as absolute (on jax 0.10.2, 1.05e-5 at a log-prob of -4.57 was seen).
       np.testing.assert_allclose(
-        np.asarray(turn.out.logprobs[b, :n]),
-        logp[b, start - 1 : start - 1 + n],
-        rtol=1e-5,
-        atol=1e-5,
+        reply.logprobs, logp[b, start - 1 : start - 1 + n], rtol=1e-5, atol=1e-5, err_msg=name
       )
+      start += n
       checked += n
-  assert checked >= 30
+    assert start == len(batch.conversations[name])
+  assert checked >= 40
   # Not a degenerate model: log-probs far from uniform.
-  assert max(float(np.max(t.out.logprobs)) for t in record) > np.log(1 / cfg.vocab_size) + 1.0
+  best = max(float(np.max(r.logprobs)) for rs in batch.replies.values() for r in rs)
+  assert best > np.log(1 / cfg.vocab_size) + 1.0
 
 
-def test_stops_limits_and_passengers(episode):
-  """Finish reasons from the stop table and the limits (NumPy), and a few early stops."""
-  _, record, _ = episode
+def test_rows_equal_the_conversation_played_alone(batch, solo):
+  """Determinism independent of the batch: rows of 59 and 9 tokens side by side, row 2's
+  second conversation after its first was released, the same replies as in a 1-row session
+  with the same keys (tokens equal, log-probs within 1e-5)."""
+  for name in CONVERSATIONS:
+    got, want = batch.replies[name], solo[name].replies[name]
+    assert len(got) == len(want) == len(CONVERSATIONS[name])
+    for turn, (g, w) in enumerate(zip(got, want)):
+      np.testing.assert_array_equal(g.tokens, w.tokens, err_msg=f"{name} turn {turn}")
+      np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5, err_msg=f"{name} turn {turn}")
+      assert g.finish_reason == w.finish_reason
+    assert batch.conversations[name] == solo[name].conversations[name]
+  # Row indices differ: the batch ran c1 in row 1, c3 in row 3, c2b in row 2; solo in row 0.
+  assert {r.row for r in batch.replies["c3"]} == {3} and solo["c3"].replies["c3"][0].row == 0
+  lengths = [len(batch.conversations[n]) for n in CONVERSATIONS]
+  assert max(lengths) >= 50 and min(lengths) <= 20
+
+
+def test_long_input_over_several_prefill_calls_equals_one_call(batch, solo):
+  """c0's 40-token prompt: two prefill calls of the batch (chunk 32; the other rows decode
+  between them), one call alone (chunk 64); the replies are equal (previous test). Every
+  token is written once: the given ones, and each reply's last token in front of the next
+  turn's."""
+  prompts = [len(CONVERSATIONS[name][0][0]) for name in ("c0", "c1", "c2a", "c3")]
+  assert prompts[0] > BATCH.prefill_chunk >= max(prompts[1:])
+  # The first call wrote 32 of c0's 40 tokens and the other prompts whole; the other rows
+  # decoded before the rest of c0 was written.
+  assert batch.calls[0][::4] == ("prefill", BATCH.prefill_chunk + sum(prompts[1:]))
+  assert batch.calls[1][0] == "decode" and batch.calls[2][0] == "prefill"
+  assert solo["c0"].calls[0][::4] == ("prefill", prompts[0])
+  want = sum(len(ids) for turns in CONVERSATIONS.values() for ids, _, _ in turns)
+  want += sum(len(turns) - 1 for turns in CONVERSATIONS.values())
+  assert batch.session.stats.prefill_tokens == want
+  assert sum(p.session.stats.prefill_tokens for p in solo.values()) == want
+
+
+def test_pool_growth_keeps_the_written_pages(batch, solo):
+  """The batch's pool doubled (9 -> 18 pages) after pages had been written and read (a
+  prefill and a decode ran at 9); its replies still equal the solo ones (which never grew)."""
+  pools = [call[3] for call in batch.calls]
+  assert pools[0] == pools[1] == BATCH.initial_pages
+  assert pools[-1] == 2 * BATCH.initial_pages and batch.session.rows.cache.num_pages == pools[-1]
+  assert all(p.calls[-1][3] == SOLO.initial_pages for p in solo.values())
+
+
+def test_stops_limits_and_finish_reasons(batch):
   reasons = []
-  for turn in record:
-    tokens, lengths = np.asarray(turn.out.tokens), np.asarray(turn.out.lengths)
-    for b in range(B):
-      n, limit = int(lengths[b]), int(turn.limits[b])
-      row = tokens[b, :n]
-      is_stop = np.isin(row, STOPS[b])
-      if n and is_stop[-1]:
-        want_reason = sampling.FinishReason.STOP
-        assert not is_stop[:-1].any()
+  for name, replies in batch.replies.items():
+    for (_, _, limit), reply in zip(CONVERSATIONS[name], replies):
+      n = len(reply.tokens)
+      assert 1 <= n <= limit and reply.logprobs.shape == (n,)
+      is_stop = np.isin(reply.tokens, STOP_IDS)
+      assert not is_stop[:-1].any()
+      if is_stop[-1]:
+        assert reply.finish_reason == sampling.FinishReason.STOP
       else:
-        want_reason = sampling.FinishReason.LENGTH
-        assert n == limit and not is_stop.any()
-      assert int(turn.out.finish_reason[b]) == want_reason
-      assert np.all(tokens[b, n:] == 0)  # pad_id
-      reasons.append((want_reason, n, limit))
+        assert reply.finish_reason == sampling.FinishReason.LENGTH and n == limit
+      reasons.append((reply.finish_reason, n, limit))
   assert any(r == sampling.FinishReason.STOP and n < limit for r, n, limit in reasons)
   assert any(r == sampling.FinishReason.LENGTH and n > 1 for r, n, limit in reasons)
-  assert sum(limit == 0 for _, _, limit in reasons) == 3
 
 
-def test_context_holds_the_conversation(episode):
-  """After every turn: pending = the row's last token, lengths = the tokens before it, and
-  the cache holds exactly `lengths` valid slots."""
-  _, record, _ = episode
-  conversation = [[] for _ in range(B)]
-  for turn in record:
-    for b in range(B):
-      conversation[b] += [int(t) for t in turn.new_rows[b]]
-      conversation[b] += [int(t) for t in np.asarray(turn.out.tokens[b, : turn.out.lengths[b]])]
-    ctx = turn.context_after
-    np.testing.assert_array_equal(ctx.pending, [c[-1] for c in conversation])
-    np.testing.assert_array_equal(ctx.lengths, [len(c) - 1 for c in conversation])
-    np.testing.assert_array_equal(np.asarray(ctx.cache.valid).sum(1), ctx.lengths)
-    # Slots used: the prefill (NEW_WIDTH + 1 columns) and one per decode step after the first.
-    used = int(ctx.cache.index) - int(turn.context_before.cache.index)
-    most = int(np.max(np.asarray(turn.out.lengths)))
-    assert used == NEW_WIDTH + 1 + max(most - 1, 0)
-    assert used <= sampling.slots_needed(ctx, NEW_WIDTH, int(np.max(np.asarray(turn.limits))))
+def test_held_tokens_are_the_conversations(batch):
+  """At the end of the episode (before the tests above changed it) each row held its last
+  conversation but its pending last token."""
+  kind, slots, live, _, _ = batch.calls[-1]
+  last = [names[-1] for names in ROWS.values()]
+  assert kind == "decode"
+  assert live == sum(len(batch.conversations[n]) - 1 for n in last)
 
 
-def test_passenger_with_new_tokens_writes_all_but_the_last(episode):
-  """Turn 3, row 0: max 0 new tokens and two new tokens. Its old pending token and its first
-  new token enter the cache (the slots it held stay as they were), the last one is pending."""
-  _, record, _ = episode
-  turn = record[2]
-  before, after = turn.context_before, turn.context_after
-  assert int(turn.limits[0]) == 0 and len(turn.new_rows[0]) == 2
-  assert int(after.pending[0]) == int(turn.new_rows[0][-1])
-  assert int(after.lengths[0]) == int(before.lengths[0]) + 2
-  old = np.asarray(before.cache.valid[0])
-  new = np.asarray(after.cache.valid[0])
-  assert new[old].all() and new.sum() == old.sum() + 2
-  np.testing.assert_array_equal(
-    np.asarray(after.cache.keys[:, 0])[:, :, old], np.asarray(before.cache.keys[:, 0])[:, :, old]
-  )
+def test_errors():
+  cfg = model_config_lib.get_preset("qwen3-tiny")
+  session = sampling.SamplerSession(cfg, SAMPLE_CFG, BATCH)
+  key = _key(0, 0)
+  with pytest.raises(ValueError, match=r"limit must be in \[1, 8\], got 0"):
+    session.give(0, [1, 2], key, 0)
+  with pytest.raises(ValueError, match=r"limit must be in \[1, 8\], got 9"):
+    session.give(0, [1, 2], key, N_NEW + 1)
+  with pytest.raises(ValueError, match="row 1 was given no token to continue from"):
+    session.give(1, [], key, 1)
+  with pytest.raises(ValueError, match=r"row 0: 0 tokens \+ 52 new \+ a reply of 8 exceed "):
+    session.give(0, [1] * 52, key, 8)
+  session.give(0, [1] * 51, key, 8)  # 51 + 8 = 59 fits
+  with pytest.raises(ValueError, match="row 0 still owes a reply"):
+    session.give(0, [3], key, 1)
+  session.release(0)  # a queued input is dropped with the row
+  assert not session.busy
+  session.give(0, [3], key, 1)
+  with pytest.raises(TypeError, match="SessionConfig"):
+    sampling.SamplerSession(cfg, SAMPLE_CFG, {"rows": 4})
+  with pytest.raises(ValueError, match="SessionConfig.page_size must be an int >= 1"):
+    dataclasses.replace(BATCH, page_size=0)
+  with pytest.raises(ValueError, match="SessionConfig.initial_pages must be None or an int >= 2"):
+    dataclasses.replace(BATCH, initial_pages=1)
 
 
-def test_passenger_without_new_tokens_is_unchanged(model):
-  """max_new_tokens 0 and no new token: the row's cache slots, lengths and pending stay."""
+def test_owes_a_reply_while_decoding_and_overflow_counts_the_pending_token(model, batch):
+  """On the played batch (it runs after the tests that read it: it changes the session). A
+  row whose reply has begun on device refuses tokens; a row's context counts its pending
+  last token."""
   cfg, params = model
-  continue_sample = _continuer(cfg, GREEDY_CFG)
-  context = sampling.init_context(cfg, B, CAPACITY)
-  ids, valid = _left_pad(PROMPTS, NEW_WIDTH)
-  keys = jax.random.split(jax.random.key(1), B)
-  _, context = continue_sample(params, context, ids, valid, keys)
-  ids2, valid2 = _left_pad([[7, 7], [], [9], []], NEW_WIDTH)
-  limits = jnp.asarray([N_NEW, 0, N_NEW, 0], jnp.int32)
-  out, after = continue_sample(params, context, ids2, valid2, keys, None, limits)
-  np.testing.assert_array_equal(np.asarray(out.lengths), [N_NEW, 0, N_NEW, 0])
-  for b in (1, 3):
-    assert int(after.pending[b]) == int(context.pending[b]) >= 0
-    assert int(after.lengths[b]) == int(context.lengths[b])
-    t = context.cache.valid.shape[1]
-    np.testing.assert_array_equal(after.cache.valid[b], context.cache.valid[b])
-    assert not np.asarray(after.cache.valid[b, int(context.cache.index) : t]).any()
-  # A row with no valid token at all (fresh context, nothing given) samples nothing.
-  empty = sampling.init_context(cfg, B, CAPACITY)
-  out, after = continue_sample(params, empty, ids2, valid2, keys)
-  np.testing.assert_array_equal(np.asarray(out.lengths), [N_NEW, 0, N_NEW, 0])
-  np.testing.assert_array_equal(after.pending[jnp.array([1, 3])], -1)
-  np.testing.assert_array_equal(after.lengths[jnp.array([1, 3])], 0)
+  session = batch.session
+  held = len(batch.conversations["c0"])  # the cache holds held - 1 tokens, pending 1 more
+  room = MAX_CONTEXT - held
+  with pytest.raises(ValueError, match=rf"row 0: {held - 1} tokens \+ {room + 1} new \+ a reply"):
+    session.give(0, [7] * room, _key(9, 0), 1)
+  session.release(2)  # its pages make room for row 1's (the pool stays at 18 pages)
+  session.give(1, [7] * 5, _key(9, 1), 1)
+  assert session.prefill(params) == 6  # the pending token and the 5 new ones
+  with pytest.raises(ValueError, match="row 1 still owes a reply"):
+    session.give(1, [7], _key(9, 2), 1)
+  (reply,) = session.decode(params)  # it ended on its first token, in the prefill
+  assert reply.row == 1 and len(reply.tokens) == 1
+  assert session.stats.pool_pages == 2 * BATCH.initial_pages
+  held = len(batch.conversations["c1"]) + 5 + 1  # the cache holds held - 1, pending 1
+  with pytest.raises(ValueError, match="exceed max_context_tokens=59"):
+    session.give(1, [7] * (MAX_CONTEXT - held), _key(9, 3), 1)
+  session.give(1, [7] * (MAX_CONTEXT - held - 1), _key(9, 3), 1)  # fits exactly
+  session.release(1)
 
 
-# ---------------------------------------------------------------------------------------------
-# Context helpers.
-
-
-def test_compact_then_continue_equals_continue(model, episode):
-  cfg, params = model
-  sc, record, _ = episode
-  turn = record[2]
-  compact = sampling.compact_context(turn.context_before)
-  # Layout: each row's valid slots first, in order; index = the most valid slots of a row.
-  before = np.asarray(turn.context_before.cache.valid)
-  counts = before.sum(1)
-  np.testing.assert_array_equal(
-    np.asarray(compact.cache.valid), np.arange(CAPACITY)[None] < counts[:, None]
-  )
-  assert int(compact.cache.index) == counts.max() < int(turn.context_before.cache.index)
-  for b in range(B):
-    np.testing.assert_array_equal(
-      np.asarray(compact.cache.keys)[:, b, :, : counts[b]],
-      np.asarray(turn.context_before.cache.keys)[:, b][:, :, before[b]],
-    )
-  new_ids, new_valid = _left_pad(turn.new_rows, NEW_WIDTH)
-  out, after = _continuer(cfg, sc)(
-    params, compact, new_ids, new_valid, turn.keys, jnp.asarray(STOPS), turn.limits
-  )
-  _assert_same_output(out, turn.out)
-  np.testing.assert_array_equal(after.pending, turn.context_after.pending)
-  np.testing.assert_array_equal(after.lengths, turn.context_after.lengths)
-
-
-def test_room_check_and_slots_needed(model):
-  cfg, params = model
-  context = sampling.init_context(cfg, B, 20)
-  assert sampling.slots_needed(context, NEW_WIDTH, N_NEW) == NEW_WIDTH + N_NEW
-  assert sampling.slots_needed(context, 3, 0) == 4  # the prefill still writes the pending column
-  continue_sample = _continuer(cfg, GREEDY_CFG)
-  ids, valid = _left_pad(PROMPTS, NEW_WIDTH)
-  keys = jax.random.split(jax.random.key(0), B)
-  context = context.replace(cache=context.cache.replace(index=jnp.int32(5)))
-  with pytest.raises(ValueError, match="compact_context"):
-    continue_sample(params, context, ids, valid, keys)  # 5 + 16 > 20: refused before tracing
-  with pytest.raises(ValueError, match="compact_context"):  # limits bound the need
-    continue_sample(params, context, ids, valid, keys, None, jnp.full((B,), 8, jnp.int32))
-
-
-def test_take_rows_then_continue_equals_the_full_batch(model):
-  cfg, params = model
-  record, _ = _run_episode(model, SAMPLE_CFG, turns=2, reference=False)
-  rows = jnp.asarray([2, 0], jnp.int32)  # drop rows 1 and 3, reorder the rest
-  turn3_rows, keys, limits = _turn_inputs(3)
-  limits = jnp.full((B,), N_NEW, jnp.int32)
-  stops = jnp.asarray(STOPS)
-  new_ids, new_valid = _left_pad(turn3_rows, NEW_WIDTH)
-  continue_sample = _continuer(cfg, SAMPLE_CFG)
-  full, full_after = continue_sample(
-    params, record[-1].context_after, new_ids, new_valid, keys, stops, limits
-  )
-  small = sampling.take_context_rows(record[-1].context_after, rows)
-  assert small.cache.keys.shape[1] == 2 and int(small.cache.index) == int(
-    record[-1].context_after.cache.index
-  )
-  out, after = continue_sample(
-    params, small, new_ids[rows], new_valid[rows], keys[rows], stops[rows], limits[rows]
-  )
-  _assert_same_output(out, full, rows=np.asarray(rows))
-  np.testing.assert_array_equal(after.pending, np.asarray(full_after.pending)[np.asarray(rows)])
-  np.testing.assert_array_equal(after.lengths, np.asarray(full_after.lengths)[np.asarray(rows)])
-
-
-# ---------------------------------------------------------------------------------------------
-# Chunked prefill and sharding.
-
-
-@pytest.mark.slow
-def test_chunked_prefill_continues_the_same(model):
-  """Chunks of 3 (each call prefills 9 columns: 3 chunks; turn widths not multiples of 3 would
-  add a shorter tail chunk, tested by chunks of 4: 2 chunks + a tail of 1); the same tokens,
-  and the same slots used as without chunks."""
-  want, _ = _run_episode(model, SAMPLE_CFG, turns=2, reference=False)
-  for chunk in (3, 4):
-    sc = dataclasses.replace(SAMPLE_CFG, prefill_chunk_size=chunk)
-    got, _ = _run_episode(model, sc, turns=2, reference=False)
-    for g, w in zip(got, want):
-      _assert_same_output(g.out, w.out)
-      assert int(g.context_after.cache.index) == int(w.context_after.cache.index)
-      np.testing.assert_array_equal(g.context_after.cache.valid, w.context_after.cache.valid)
-
-
-@pytest.mark.slow
-def test_sharded_equals_unsharded(model):
-  cfg, params = model
-  assert jax.device_count() == 8, "conftest provides 8 simulated CPU devices"
-  want, _ = _run_episode(model, SAMPLE_CFG, turns=2, reference=False)
-
-  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-  sharded = (cfg, jax.device_put(params, sharding.param_shardings(params, mesh)))
-  continue_sample = sampling.make_continuer(
-    cfg, SAMPLE_CFG, cache_sharding=functools.partial(sharding.cache_shardings, mesh=mesh)
-  )
-  with jax.set_mesh(mesh):
-    got, _ = _run_episode(
-      sharded, SAMPLE_CFG, continue_sample=continue_sample, turns=2, reference=False
-    )
-  assert len(sharded[1]["embed"]["embedding"].sharding.device_set) == 8
-  keys_sharding = got[-1].context_after.cache.keys.sharding
-  assert len(keys_sharding.device_set) == 8 and not keys_sharding.is_fully_replicated
-  for g, w in zip(got, want):
-    _assert_same_output(g.out, w.out)
-    np.testing.assert_array_equal(g.context_after.pending, w.context_after.pending)
+def test_page_accounting_and_release(batch):
+  """Runs after the episode: the rows hold their conversations (but the pending last token),
+  and releasing every row frees every page (page 0 is the scratch page)."""
+  session = batch.session
+  pool = session.stats.pool_pages
+  assert pool == session.rows.cache.num_pages
+  live = session.live_tokens
+  assert live <= session.cache_slots <= live + BATCH.rows * (PAGE + K)
+  peak = session.stats.peak_cache_slots
+  assert session.stats.live_tokens_at_peak <= peak <= pool * PAGE
+  for r in range(BATCH.rows):
+    session.release(r)
+  assert session.cache_slots == 0 and session.live_tokens == 0 and not session.busy
+  assert sorted(session._free) == list(range(1, pool))  # every page but the scratch page

@@ -66,6 +66,12 @@ def training_config() -> ml_collections.ConfigDict:
     reset_retries=2,  # a failing reset, tried again on a fresh instance
     episode_retries=1,  # an episode whose environment failed, played again from the start
     max_failed_group_fraction=0.25,  # above this share of failed groups the run stops
+    scheduler="continuous",  # "turns": the turn-synchronous baseline (a barrier per turn)
+    decode_slots=64,  # the sampler's rows: the most episodes live at once
+    decode_steps_per_sync=8,  # decode steps between host reads of finished replies
+    page_size=32,  # KV-cache slots per page
+    prefill_chunk=64,  # the width of every prefill call (longer inputs: several calls)
+    decode_tensor_parallel=0,  # the sampler's tensor-parallel size (0: one data slice's devices)
     temperature=1.0,
     top_k=0,
     top_p=1.0,

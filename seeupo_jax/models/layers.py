@@ -12,6 +12,7 @@ import functools
 from typing import Optional
 
 import chex
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -342,6 +343,114 @@ def cached_attend(
   return _from_heads(past_out + new_out)
 
 
+NEW_KEY_BLOCK = 32  # new keys per block in `paged_attend`
+
+
+@flax.struct.dataclass
+class PagedMask:
+  """What a layer needs to attend over a paged cache (`paged_attend`), in place of a mask.
+
+  page_table:  int32[B, W], each row's pages in order (W a multiple of pages_per_block).
+  lengths:     int32[B], each row's cached tokens (positions < lengths[b] are attended).
+  new_allowed: bool[B, S, S], new token s may attend to new token s'.
+  num_blocks:  int32 scalar, blocks of pages to visit (enough for the longest row).
+  pages_per_block: static, pages per attention block.
+  """
+
+  page_table: jax.Array
+  lengths: jax.Array
+  new_allowed: jax.Array
+  num_blocks: jax.Array
+  pages_per_block: int = flax.struct.field(pytree_node=False, default=4)
+
+
+def paged_attend(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  pool_k: jax.Array,
+  pool_v: jax.Array,
+  paged: PagedMask,
+) -> jax.Array:
+  """Grouped-query attention of S new tokens over each row's paged cache and the new keys.
+
+  out = softmax([q K_b^T, q k^T] / sqrt(hd), masked) [V_b; v], where K_b, V_b are row b's
+  cached positions 0 .. lengths[b] - 1, read from its pages (`paged.page_table`) one block of
+  `pages_per_block` pages at a time, under an online softmax: with running max m, sum l and
+  output o, a block with scores x updates m' = max(m, max x), l' = l e^(m - m') +
+  sum_allowed e^(x - m'), o' = o e^(m - m') + sum_allowed e^(x - m') v; out = o / l. The new
+  keys come last, in blocks of NEW_KEY_BLOCK. `paged.num_blocks` blocks are visited (a `fori_loop`, so the work follows
+  the longest row, not the page table's width); a block with no allowed slot leaves
+  (m, l, o) exactly as they were, so a row's output is bit-identical whatever the other rows
+  and however many blocks run.
+
+  Args:
+    q: [B, S, H, hd] queries of the new tokens (after RoPE).
+    k, v: [B, S, K, hd] keys (after RoPE) and values of the new tokens.
+    pool_k, pool_v: [pages, K, page_size, hd] this layer's page pool.
+    paged: the `PagedMask`.
+
+  Returns:
+    [B, S, H * hd] in q's dtype.
+  """
+  chex.assert_rank([q, k, v, pool_k, pool_v], [4, 4, 4, 4, 4])
+  qh, kh, vh = _to_heads(q, k, v)
+  b, kv, g, s, hd = qh.shape
+  page = pool_k.shape[2]
+  ppb = paged.pages_per_block
+  block = ppb * page
+
+  def absorb(carry, keys, values, ok):
+    """(m, l, o) after the keys [B, K, C, hd] of one block (ok bool[B, S, C])."""
+    m, l, o = carry
+    scores = jnp.einsum(
+      "bkgsd,bkcd->bkgsc", qh, keys.astype(q.dtype), preferred_element_type=jnp.float32
+    )
+    ok = ok[:, None, None]
+    m_new = jnp.maximum(m, jnp.max(jnp.where(ok, scores, _MASKED), axis=-1))
+    p = jnp.where(ok, jnp.exp(scores - m_new[..., None]), 0.0)
+    scale = jnp.exp(m - m_new)
+    l = l * scale + jnp.sum(p, axis=-1)
+    o = o * scale[..., None] + jnp.einsum(
+      "bkgsc,bkcd->bkgsd",
+      p.astype(q.dtype),
+      values.astype(q.dtype),
+      preferred_element_type=jnp.float32,
+    )
+    return m_new, l, o
+
+  def read(pool, pages):  # [pages, K, page, hd] x int32[B, ppb] -> [B, K, ppb * page, hd]
+    rows = jnp.take(pool, pages, axis=0)
+    return rows.transpose(0, 2, 1, 3, 4).reshape(b, kv, block, hd)
+
+  def past_block(j, carry):
+    pages = jax.lax.dynamic_slice_in_dim(paged.page_table, j * ppb, ppb, axis=1)
+    positions = j * block + jnp.arange(block)
+    ok = positions[None, :] < paged.lengths[:, None]  # [B, C]
+    ok = jnp.broadcast_to(ok[:, None, :], (b, s, block))
+    return absorb(carry, read(pool_k, pages), read(pool_v, pages), ok)
+
+  carry = (
+    jnp.full((b, kv, g, s), _MASKED, jnp.float32),
+    jnp.zeros((b, kv, g, s), jnp.float32),
+    jnp.zeros((b, kv, g, s, hd), jnp.float32),
+  )
+  carry = jax.lax.fori_loop(0, paged.num_blocks, past_block, carry)
+  # The new keys too, in blocks of NEW_KEY_BLOCK (masked ones past the end): a row's numbers
+  # do not depend on how wide the prefill call that carried its tokens was.
+  n_new = -(-s // NEW_KEY_BLOCK)
+  pad = n_new * NEW_KEY_BLOCK - s
+  kh_p = jnp.pad(kh, ((0, 0), (0, 0), (0, pad), (0, 0)))
+  vh_p = jnp.pad(vh, ((0, 0), (0, 0), (0, pad), (0, 0)))
+  new_ok = jnp.pad(paged.new_allowed, ((0, 0), (0, 0), (0, pad)))
+  for j in range(n_new):
+    cut = slice(j * NEW_KEY_BLOCK, (j + 1) * NEW_KEY_BLOCK)
+    carry = absorb(carry, kh_p[:, :, cut], vh_p[:, :, cut], new_ok[..., cut])
+  _, l, o = carry
+  out = o / jnp.where(l > 0, l, 1.0)[..., None]
+  return _from_heads(out.astype(q.dtype))
+
+
 class Attention(nn.Module):
   """GQA self-attention with optional q/k/v bias (Qwen2), q/k RMSNorm (Qwen3) and o_proj bias.
 
@@ -390,6 +499,8 @@ class Attention(nn.Module):
     k = apply_rope(k, cos, sin)
     if past_k is None:
       out = causal_attend(q, k, v, mask, c.attn_block_size)
+    elif isinstance(mask, PagedMask):
+      out = paged_attend(q, k, v, past_k, past_v, mask)
     else:
       out = cached_attend(q, k, v, past_k, past_v, mask)
     out = _dense(c.hidden_size, c.o_proj_bias, "o_proj", dt, pdt)(out)

@@ -78,6 +78,37 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int) -> KVCache:
   )
 
 
+@flax.struct.dataclass
+class PagedKVCache:
+  """Keys/values of many rows in one pool of fixed-size pages (the sampler's cache).
+
+  Row b's token at position j (its RoPE position, counted from the row's first token) lives
+  in page `page_table[b, j // page_size]` at offset `j % page_size`; the page table and the
+  rows' lengths travel next to the cache (`paged_hidden_states`). Page 0 is a scratch page:
+  writes of pad tokens land there, so no row may own it.
+
+  keys:   [num_layers, num_pages, num_kv_heads, page_size, head_dim], config.dtype (after RoPE)
+  values: [num_layers, num_pages, num_kv_heads, page_size, head_dim], config.dtype
+  """
+
+  keys: jax.Array
+  values: jax.Array
+
+  @property
+  def num_pages(self) -> int:
+    return self.keys.shape[1]
+
+  @property
+  def page_size(self) -> int:
+    return self.keys.shape[3]
+
+
+def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int) -> PagedKVCache:
+  """An empty pool of `num_pages` pages (page 0 the scratch page) in config.dtype."""
+  shape = (config.num_layers, num_pages, config.num_kv_heads, page_size, config.head_dim)
+  return PagedKVCache(keys=jnp.zeros(shape, config.dtype), values=jnp.zeros(shape, config.dtype))
+
+
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
   """Random parameters (normal(0.02) weights, zero biases, unit norm scales)."""
   k_embed, k_layers, k_head = jax.random.split(key, 3)
@@ -117,13 +148,13 @@ def _layer_fn(config: ModelConfig):
   return jax.checkpoint(apply_layer, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
 
 
-def _run_layers(params, x, cos, sin, mask, cache: Optional[KVCache], config):
+def _run_layers(params, x, cos, sin, mask, cache, config):
   """Runs the decoder stack over x [B, S, D].
 
-  The cache is read only: each layer attends over its cached slots and the S
-  new tokens, and returns the new tokens' keys/values; the caller writes all
-  layers' at once (one in-place update instead of a copy of the cache per
-  layer).
+  The cache (a `KVCache` or a `PagedKVCache`) is read only: each layer attends over its
+  cached slots and the S new tokens, and returns the new tokens' keys/values; the caller
+  writes all layers' at once (one in-place update instead of a copy of the cache per
+  layer). With a `PagedKVCache` each layer gets its page pool and a `layers.PagedMask`.
 
   Returns:
     (x [B, S, D], new_k, new_v), new_k/new_v [L, B, S, K, hd] (None without cache).
@@ -210,6 +241,79 @@ def hidden_states(
       valid=jax.lax.dynamic_update_slice(cache.valid, token_valid, (0, cache.index)),
       index=cache.index + s,
     )
+  norm = layers.RMSNorm(config.rms_norm_eps, dt, jnp.dtype(config.param_dtype))
+  h = norm.apply({"params": params["final_norm"]}, x)
+  return h, new_cache
+
+
+def paged_hidden_states(
+  params: Params,
+  input_ids: jax.Array,
+  positions: jax.Array,
+  token_valid: jax.Array,
+  cache: PagedKVCache,
+  page_table: jax.Array,
+  lengths: jax.Array,
+  *,
+  config: ModelConfig,
+):
+  """Final-normed hidden states of S new tokens per row over each row's own paged cache.
+
+  Each row has its own length: row b holds positions [0, lengths[b]) in the pages
+  page_table[b, :]; its valid new tokens carry their positions (lengths[b], lengths[b] + 1,
+  ... in order: the caller's contract) and are written at those positions, so nothing
+  pads one row to another. New token s of row b attends to the row's cached positions
+  j < lengths[b] (read page block by page block, `layers.paged_attend`: the work follows the
+  longest row, and a row's result does not depend on the other rows or on the table's
+  width) and to its valid new tokens <= s. Pad tokens are written to the scratch page 0 and
+  attended by nobody.
+
+  Args:
+    params: the model's params.
+    input_ids: int32[B, S] token ids (pads must be valid ids, e.g. 0).
+    positions: int32[B, S] RoPE positions = cache positions of the valid tokens.
+    token_valid: bool[B, S].
+    cache: the `PagedKVCache` pool.
+    page_table: int32[B, W] each row's pages in order (unused entries: 0); every valid new
+      token's position must be < W * page_size; W a multiple of the pages per attention
+      block, max(1, attn_block_size // page_size).
+    lengths: int32[B] tokens of each row already in the cache.
+    config: the `ModelConfig` (static).
+
+  Returns:
+    (h [B, S, D] in config.dtype, the cache with the valid new tokens written).
+  """
+  token_valid = _check_inputs(input_ids, positions, token_valid)
+  chex.assert_rank([page_table, lengths], [2, 1])
+  dt = jnp.dtype(config.dtype)
+  b, s = input_ids.shape
+  w, page = page_table.shape[1], cache.page_size
+  x = jnp.take(params["embed"]["embedding"], input_ids, axis=0).astype(dt)
+  x = sharding.constrain(x, sharding.HIDDEN)
+  cos, sin = layers.rope_tables(positions, config.head_dim, config.rope_theta)
+  t = w * page
+  ppb = max(1, min(w, config.attn_block_size // page))  # pages per attention block
+  if w % ppb:
+    raise ValueError(f"page table width {w} is not a multiple of {ppb} pages per block")
+  causal = jnp.arange(s)[None, :] <= jnp.arange(s)[:, None]  # [S, S]
+  reading = jnp.where(jnp.any(token_valid, axis=1), lengths, 0)  # rows given no token: none
+  mask = layers.PagedMask(
+    page_table=page_table,
+    lengths=lengths,
+    new_allowed=causal[None] & token_valid[:, None, :],
+    num_blocks=(jnp.max(reading) + ppb * page - 1) // (ppb * page),
+    pages_per_block=ppb,
+  )
+  x, new_k, new_v = _run_layers(params, x, cos, sin, mask, cache, config)
+  slot = jnp.clip(positions, 0, t - 1)
+  pages = jnp.take_along_axis(page_table, slot // page, axis=1)
+  pages = jnp.where(token_valid, pages, 0)  # pads go to the scratch page
+  offsets = jnp.where(token_valid, slot % page, 0)
+
+  def write(pool, new):  # new [L, B, S, K, hd] -> pool[:, pages[b, s], :, offsets[b, s]]
+    return pool.at[:, pages, :, offsets].set(new.transpose(1, 2, 0, 3, 4).astype(pool.dtype))
+
+  new_cache = PagedKVCache(keys=write(cache.keys, new_k), values=write(cache.values, new_v))
   norm = layers.RMSNorm(config.rms_norm_eps, dt, jnp.dtype(config.param_dtype))
   h = norm.apply({"params": params["final_norm"]}, x)
   return h, new_cache

@@ -8,16 +8,22 @@ Modules, one role each:
   trajectory.py  the `Trajectory` record and `collate` (pure NumPy);
   workers.py     the env workers: every environment call, with time limits, in threads or
                  worker processes;
-  roller.py      the loop: sampler turns, environment steps, limits, retries and group drops.
+  policy.py      the policy the engine drives: the sampler (a `sampling.SamplerSession`, which
+                 owns the paged KV cache) or a text policy;
+  roller.py      the engine: the continuous scheduler (admit, env results, prefill, decode,
+                 hand off), limits, retries and group drops.
 """
 
+from seeupo_jax.rollout.policy import Policy, PolicyReply, SamplerPolicy, TextPolicy
 from seeupo_jax.rollout.roller import (
   FINISH_REASONS,
+  SCHEDULERS,
   TRUNCATION_MARKER,
   EnvironmentFailure,
   Roller,
   RolloutConfig,
   RolloutResult,
+  trajectory_keys,
   truncate_observation,
 )
 from seeupo_jax.rollout.trajectory import Trajectory, collate
@@ -30,6 +36,11 @@ from seeupo_jax.rollout.workers import (
 
 __all__ = [
   "FINISH_REASONS",
+  "SCHEDULERS",
+  "Policy",
+  "PolicyReply",
+  "SamplerPolicy",
+  "TextPolicy",
   "TRUNCATION_MARKER",
   "EnvCallFailed",
   "EnvWorkers",
@@ -41,5 +52,6 @@ __all__ = [
   "WorkerConfig",
   "collate",
   "make_workers",
+  "trajectory_keys",
   "truncate_observation",
 ]

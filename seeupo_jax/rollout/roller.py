@@ -1,69 +1,80 @@
-"""The rollout loop: a batch of environments driven turn by turn by the jitted sampler.
+"""The rollout engine: episodes of one environment family played by one policy, continuously.
 
     roller = Roller(spec, chat, model_config, sampling_config, RolloutConfig(max_turns=3))
     result = roller.run(params, task_ids, samples_per_task=8, rng=key)
     batch = collate(result.trajectories, num_turns=3, max_len=1024)   # the learner's Batch
 
-One call runs B tasks x n samples = N trajectories:
+One call plays B tasks x n samples = N episodes on `decode_slots` rows of the policy (a
+`sampling.SamplerSession`, or a text policy). The scheduler's loop:
 
-  1. reset every environment (thread pool) and render its opening messages
-     with the chat template (`ChatTokens.prompt_ids`);
-  2. each turn: the sampler continues every running trajectory from its kept
-     KV cache, prefilling only the new tokens (`sampling.make_continuer`); the
-     decoded replies go to the environments (thread pool), whose observations
-     are rendered and tokenized in the worker threads, ready to append;
-  3. at the end (done, a limit, or the turn limit) each environment scores its
-     episode.
+    while episodes are pending or live:
+      admit        free rows take pending episodes (their `reset` goes to the env workers)
+      env results  observations that came back are given to their rows (their tokens queued
+                   for prefill); finished episodes are scored; scored ones retire (row freed)
+      prefill      the policy writes what arrived (chunked; rows whose input is complete
+                   sample their first token)
+      decode       k decode steps of every decoding row, one host read
+      hand off     each finished reply goes to the env workers at once (asynchronously)
 
-Token in, token out: a trajectory's tokens are the prompt's, then each reply's
-sampled ids with the sampler's log-probs (`turn_ids` = the turn), then each
-observation's ids (`turn_ids` -1). No text is ever tokenized back into a reply.
+so one slow reply or one slow environment holds up only its own episode. The host blocks
+only when the policy has nothing to do (`rollout/env_wait_share`).
 
-Limits (all end a trajectory cleanly, with the reward its environment gives
-for where it stopped and a finish reason kept in its metadata):
+`scheduler="turns"` is the turn-synchronous baseline in the same loop: a barrier holds every
+environment result (and every admission) until no environment call is in flight and no reply
+is being decoded, so all live episodes take each turn together.
+
+Deterministic whatever the timing: the reply of turn t of (group g, sample i, attempt a)
+samples from fold_in(fold_in(fold_in(fold_in(rng, g), i), a), t) (`trajectory_keys`), and a
+session row's tokens depend only on its own context, so the trajectories of a call do not
+depend on environment latencies, the order in which observations return, or the number of
+slots (up to float rounding of batched matmuls, which flips a token with a probability of
+order 1e-6 per token).
+
+Token in, token out: a trajectory's tokens are the prompt's, then each reply's sampled ids
+with the sampler's log-probs (`turn_ids` = the turn), then each observation's ids
+(`turn_ids` -1). No text is ever tokenized back into a reply.
+
+Limits (all end a trajectory cleanly, with the reward its environment gives for where it
+stopped and a finish reason kept in its metadata):
   - max_turns: "max_turns" after the last allowed reply;
-  - max_context_tokens: "context" when the next observation and at least one
-    reply token no longer fit (the observation is not added);
-  - max_reply_tokens (the sampler's max_new_tokens, also cut to the context
-    left): the reply is cut and the environment sees the cut text; counted;
-  - max_env_tokens: each turn's observation text is cut to this many tokens
-    with `TRUNCATION_MARKER`; counted.
+  - max_context_tokens: "context" when the next observation and at least one reply token no
+    longer fit (the observation is not added);
+  - max_reply_tokens (the sampler's max_new_tokens, also cut to the context left): the reply
+    is cut and the environment sees the cut text; counted;
+  - max_env_tokens: each turn's observation text is cut to this many tokens with
+    `TRUNCATION_MARKER`; counted.
 
 Capacity: an environment family that can hold only so many episodes at once
-(`EnvSpec.capacity`, e.g. one AppWorld server per episode) gets them in waves,
-each a sampler pass of its own.
+(`EnvSpec.capacity`, e.g. one AppWorld server per episode) gets at most that many live
+episodes: the same mechanism as the decode slots.
 
-Environment calls go through the env workers (`workers.py`): in this process
-("thread") or in worker processes with a time limit per call ("process"; BFCL's
-default). A reply whose call runs past `env_call_timeout_s` (or out of memory) is
-the model's doing: it gets an error observation and the episode goes on
-(counted: `rollout/env_stopped_calls`).
+Environment calls go through the env workers (`workers.py`): in this process ("thread") or
+in worker processes with a time limit per call ("process"; BFCL's default). A reply whose
+call runs past `env_call_timeout_s` (or out of memory) is the model's doing: it gets an error
+observation and the episode goes on (counted: `rollout/env_stopped_calls`).
 
-Environment failures: the environment's own faults (`workers.EnvCallFailed`: an
-exception in `reset`, `step` or `score`, a worker that died during a call, a
-`reset`/`score` past its limit) fail that trajectory; `reset` is retried on a
-fresh instance first (`reset_retries`).
-A failed episode is then played again from the start on a fresh environment
-instance (`episode_retries` times; the retries run as one more sampler pass
-after the others finish, with the same policy, so they are fair samples of
-their group). If it still fails ("env_error"), every trajectory of its task's
-group is dropped (`row_valid` False), so no group's advantages are computed
-from a biased subset, and the failure is counted and logged. If more than
-`max_failed_group_fraction` of the groups fail in one call,
-`EnvironmentFailure` is raised with the first errors: a broken environment
-server surfaces as an error, never as zero rewards.
+Environment failures: the environment's own faults (`workers.EnvCallFailed`) fail that
+episode; `reset` is retried on a fresh instance first (`reset_retries`). A failed episode is
+played again from the start on a fresh instance (`episode_retries` times, queued behind the
+others, with the same params, so it is a fair sample of its group). If it still fails
+("env_error"), every trajectory of its task's group is dropped (`row_valid` False), so no
+group's advantages are computed from a biased subset. If more than
+`max_failed_group_fraction` of the groups fail in one call, `EnvironmentFailure` is raised
+with the first errors: a broken environment server surfaces as an error, never as zero
+rewards.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
+import queue
 import time
 from typing import Callable, Optional, Sequence
 
 from absl import logging
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from seeupo_jax import sampling
@@ -71,12 +82,13 @@ from seeupo_jax.chat_tokens import ChatTokens
 from seeupo_jax.envs import base as envs_base
 from seeupo_jax.learner.batch import PROMPT_OR_ENV
 from seeupo_jax.models.config import ModelConfig
+from seeupo_jax.rollout import policy as policy_lib
 from seeupo_jax.rollout import workers as workers_lib
 from seeupo_jax.rollout.trajectory import Trajectory
-from seeupo_jax.rollout.trajectory import bucket as _bucket
 
 TRUNCATION_MARKER = "\n[... observation truncated]"
 FINISH_REASONS = ("done", "max_turns", "context", "env_error")
+SCHEDULERS = ("continuous", "turns")
 
 
 class EnvironmentFailure(RuntimeError):
@@ -85,7 +97,7 @@ class EnvironmentFailure(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-  """Limits and plumbing of the rollout loop (validated on construction).
+  """Limits and plumbing of the rollout engine (validated on construction).
 
   max_turns: most assistant turns per trajectory (the learner's num_turns).
   max_context_tokens: most tokens in a trajectory (prompt + replies + observations).
@@ -101,14 +113,13 @@ class RolloutConfig:
   episode_retries: extra attempts of an episode whose environment failed (in reset, step or
     score), each played from the start on a fresh instance.
   max_failed_group_fraction: raise `EnvironmentFailure` above this share of failed groups.
-  token_bucket: widths of the new-token blocks are rounded up to a multiple of this
-    (fewer distinct shapes to compile).
-  cache_bucket: the KV cache starts at the first turn's size and grows as the
-    conversations do, in multiples of this many slots (each decode step attends over
-    every slot, so a cache sized for the longest possible episode would cost its full
-    width from the first token).
-  min_row_bucket: the sampler's batch shrinks as trajectories finish, in powers of two
-    down to this many rows (finished trajectories stop costing decode work).
+  scheduler: "continuous" (episodes advance on their own) or "turns" (a barrier per turn:
+    the turn-synchronous baseline).
+  decode_slots: S, the policy's rows: the most episodes live at once.
+  decode_steps_per_sync: k, decode steps between host reads of finished replies.
+  page_size: slots per KV-cache page (`sampling.SessionConfig`).
+  prefill_chunk: the width of every prefill call (a longer input takes several).
+  prefill_rows: the rows of every prefill call (more rows with new tokens: several calls).
   """
 
   max_turns: int
@@ -121,9 +132,12 @@ class RolloutConfig:
   reset_retries: int = 2
   episode_retries: int = 1
   max_failed_group_fraction: float = 0.25
-  token_bucket: int = 32
-  cache_bucket: int = 128
-  min_row_bucket: int = 8
+  scheduler: str = "continuous"
+  decode_slots: int = 64
+  decode_steps_per_sync: int = 8
+  page_size: int = 32
+  prefill_chunk: int = 64
+  prefill_rows: int = 8
 
   def __post_init__(self):
     for name in ("max_turns", "max_context_tokens", "max_env_tokens", "env_workers"):
@@ -134,10 +148,18 @@ class RolloutConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 0:
         raise ValueError(f"RolloutConfig.{name} must be an int >= 0, got {value!r}")
-    for name in ("token_bucket", "cache_bucket", "min_row_bucket"):
+    for name in (
+      "decode_slots",
+      "decode_steps_per_sync",
+      "page_size",
+      "prefill_chunk",
+      "prefill_rows",
+    ):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"RolloutConfig.{name} must be an int >= 1, got {value!r}")
+    if self.scheduler not in SCHEDULERS:
+      raise ValueError(f"RolloutConfig.scheduler={self.scheduler!r}; allowed: {list(SCHEDULERS)}")
     if self.env_isolation not in ("auto",) + workers_lib.ISOLATIONS:
       raise ValueError(
         f"RolloutConfig.env_isolation={self.env_isolation!r}; allowed: "
@@ -163,6 +185,17 @@ class RolloutConfig:
     except ValueError as e:
       raise ValueError(f"RolloutConfig: {e}") from None
 
+  def session_config(self, max_new_tokens: int) -> sampling.SessionConfig:
+    """The sampler session's geometry."""
+    return sampling.SessionConfig(
+      rows=self.decode_slots,
+      max_context_tokens=self.max_context_tokens,
+      page_size=self.page_size,
+      prefill_chunk=self.prefill_chunk,
+      prefill_rows=self.prefill_rows,
+      decode_steps_per_sync=self.decode_steps_per_sync,
+    )
+
 
 @dataclasses.dataclass
 class RolloutResult:
@@ -171,21 +204,51 @@ class RolloutResult:
 
 
 @dataclasses.dataclass
-class _Slot:
-  """Host-side state of one running trajectory."""
+class _Episode:
+  """Host-side state of one episode (one attempt of one trajectory)."""
 
   trajectory: Trajectory
-  episode: Optional[workers_lib.Episode] = None  # its environment, in the env workers
+  attempt: int
+  turn_keys: np.ndarray  # uint32[max_turns, 2], the raw key of each turn's reply
+  row: int = -1
+  handle: Optional[workers_lib.Episode] = None  # its environment, in the env workers
   tools: Optional[list] = None
-  new_ids: list[int] = dataclasses.field(default_factory=list)  # tokens to prefill next
-  running: bool = True
 
 
-def _row_bucket(n: int, minimum: int) -> int:
-  size = minimum
-  while size < n:
-    size *= 2
-  return size
+@dataclasses.dataclass
+class _Timers:
+  sample: float = 0.0  # the policy's prefill and decode calls (device time and host reads)
+  env_wait: float = 0.0  # blocked on the environments with nothing for the policy to do
+  host: float = 0.0
+
+
+def _fold_keys(rng, groups, samples, attempts, turns: int) -> np.ndarray:
+  def one(g, i, a):
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(rng, g), i), a)
+    return jax.vmap(lambda t: jax.random.key_data(jax.random.fold_in(key, t)))(
+      np.arange(turns, dtype=np.uint32)
+    )
+
+  return jax.vmap(one)(groups, samples, attempts)
+
+
+_fold_keys_jit = jax.jit(_fold_keys, static_argnums=4)
+
+
+def trajectory_keys(
+  rng: jax.Array, groups: Sequence[int], samples: Sequence[int], attempts: Sequence[int], turns: int
+) -> np.ndarray:
+  """uint32[E, turns, 2]: the raw reply key of each turn of each episode (see the docstring).
+
+  Args:
+    rng: the call's PRNG key (typed or raw).
+    groups, samples, attempts: [E] the episodes' group, sample index and attempt.
+    turns: the most turns of an episode.
+  """
+  if not jax.numpy.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    rng = jax.random.wrap_key_data(rng)
+  as_u32 = lambda x: np.asarray(x, np.uint32)  # noqa: E731
+  return np.asarray(_fold_keys_jit(rng, as_u32(groups), as_u32(samples), as_u32(attempts), turns))
 
 
 def truncate_observation(
@@ -219,22 +282,21 @@ def truncate_observation(
 
 
 class Roller:
-  """Runs batches of episodes of one environment family with one policy.
+  """Plays batches of episodes of one environment family with one policy (the engine).
 
   Args:
     spec: the environment family (`seeupo_jax.envs.make_spec`).
     chat: the tokenizer's `ChatTokens`.
     model_config: the policy's `ModelConfig`.
-    sampling_config: decoding settings; `max_new_tokens` is the reply limit and
-      its stop tokens should include the chat template's end of turn.
+    sampling_config: decoding settings; `max_new_tokens` is the reply limit and its stop
+      tokens should include the chat template's end of turn.
     config: the `RolloutConfig`.
-    cache_sharding: optional KVCache -> shardings (see `sampling.make_sampler`).
+    cache_sharding: optional PagedKVCache -> shardings (see `sampling.SamplerSession`).
     workers: the env workers to use (shared, e.g. by training and evaluation; the caller shuts
       them down); None: the Roller makes its own from `config` and `close` shuts them down.
     text_policy: replies from a function instead of the model: trajectory so far -> the reply
       text (scripted tests, the oracle); `run`'s params are then unused and the replies'
-      log-probs 0. The replies are tokenized (no model sampled them) and closed with the
-      end-of-turn token.
+      log-probs 0 (`policy.TextPolicy`).
   """
 
   def __init__(
@@ -258,24 +320,17 @@ class Roller:
     self.model_config = model_config
     self.sampling_config = sampling_config
     self.config = config
-    self.continue_sample = sampling.make_continuer(
-      model_config, sampling_config, cache_sharding=cache_sharding
-    )
-    self.compact = jax.jit(sampling.compact_context)
-    self.take_rows = jax.jit(sampling.take_context_rows)
-    self.grow = jax.jit(sampling.grow_context, static_argnums=1)
-    # The most slots a call can need after compaction: the longest context, the widest
-    # observation block, one reply, the pending token.
-    obs_width = _bucket(config.max_env_tokens + 128, config.token_bucket)
-    self.max_capacity = _bucket(
-      _bucket(config.max_context_tokens, config.token_bucket)
-      + obs_width
-      + sampling_config.max_new_tokens
-      + 1,
-      config.cache_bucket,
-    )
-    self.cache_slots = 0  # the KV cache's slots at the end of the last `run` (grown as needed)
-    self.text_policy = text_policy
+    if text_policy is None:
+      self.session = sampling.SamplerSession(
+        model_config,
+        sampling_config,
+        config.session_config(sampling_config.max_new_tokens),
+        cache_sharding=cache_sharding,
+      )
+      self.policy: policy_lib.Policy = policy_lib.SamplerPolicy(self.session)
+    else:
+      self.session = None
+      self.policy = policy_lib.TextPolicy(text_policy, chat)
     self._owns_workers = workers is None
     if workers is None:
       workers = workers_lib.make_workers(spec, config.worker_config(spec.isolation))
@@ -289,74 +344,67 @@ class Roller:
     if self._owns_workers:
       self.workers.shutdown()
 
+  @property
+  def cache_slots(self) -> int:
+    """The most KV-cache slots the sampler's rows held at once (0 for a text policy)."""
+    return 0 if self.session is None else self.session.stats.peak_cache_slots
+
   # --- environment calls (worker threads) -----------------------------------------------------
-
-  def _map(self, fn, jobs):
-    """Runs fn(*args) for each (slot, args) job on the pool; yields (slot, result, error).
-
-    The jobs go out in `env_workers` chunks (one future per chunk, not per job:
-    hundreds of tiny futures cost more than cheap environments do), and each
-    chunk's results come back as soon as it finishes. With worker processes, a
-    chunk holds the jobs of one worker (whose calls run one at a time anyway).
-    `error` is the message of an `EnvCallFailed` (the environment's fault);
-    anything else is a bug and raises.
-    """
-
-    def run_chunk(chunk):
-      out = []
-      for slot, args in chunk:
-        try:
-          out.append((slot, fn(*args), None))
-        except workers_lib.EnvCallFailed as e:
-          out.append((slot, None, str(e)))
-      return out
-
-    by_worker: dict[int, list] = {}
-    for job in jobs:
-      episode = job[0].episode
-      worker = None if episode is None else self.workers.affinity(episode)
-      by_worker.setdefault(-1 if worker is None else worker, []).append(job)
-    unplaced = by_worker.pop(-1, [])
-    size = -(-len(unplaced) // self.config.env_workers) if unplaced else 1
-    chunks = [unplaced[k : k + size] for k in range(0, len(unplaced), size)]
-    chunks += list(by_worker.values())
-    futures = [self._pool.submit(run_chunk, chunk) for chunk in chunks]
-    for future in concurrent.futures.as_completed(futures):
-      yield from future.result()
 
   def _reset(self, task_id: str):
     """A fresh episode, its prompt ids and tools; retried on fresh instances."""
     for attempt in range(self.config.reset_retries + 1):
       try:
-        episode, reset = self.workers.reset(task_id)
+        handle, reset = self.workers.reset(task_id)
         break
       except workers_lib.EnvCallFailed:
         if attempt == self.config.reset_retries:
           raise
-    return episode, reset.tools, self.chat.prompt_ids(reset.messages, reset.tools)
+    return handle, reset.tools, self.chat.prompt_ids(reset.messages, reset.tools)
 
-  def _step(self, slot: _Slot, text: str, reply_closed: bool, last_turn: bool):
-    """env.step + the observation's ids (cut to max_env_tokens); runs in a pool thread."""
-    step = self.workers.step(slot.episode, text)
+  def _step(self, episode: _Episode, text: str, reply_closed: bool, last_turn: bool):
+    """env.step + the observation's ids (cut to max_env_tokens)."""
+    step = self.workers.step(episode.handle, text)
     if step.info.get("stopped"):
-      slot.trajectory.env_stopped_calls += 1
+      episode.trajectory.env_stopped_calls += 1
     if step.done or last_turn:
       return step, [], 0
     observation, cut = truncate_observation(
       step.observation, self.config.max_env_tokens, self.chat.encode, self.chat.tokenizer.decode
     )
-    ids = self.chat.observation_ids(observation, slot.tools, reply_closed=reply_closed)
+    ids = self.chat.observation_ids(observation, episode.tools, reply_closed=reply_closed)
     return step, ids, cut
 
-  def _score(self, slot: _Slot):
-    return self.workers.score(slot.episode)
+  def _submit(self, kind: str, episode: _Episode, fn, *args) -> None:
+    """Runs fn(*args) on the pool; its (kind, episode, result, error) lands in the inbox.
 
-  # --- the loop ---------------------------------------------------------------------------------
+    `error` is the message of an `EnvCallFailed` (the environment's fault); any other
+    exception is a bug and is raised in the loop.
+    """
+
+    def call():
+      t0 = time.perf_counter()
+      try:
+        out = (kind, episode, fn(*args), None)
+      except workers_lib.EnvCallFailed as e:
+        out = (kind, episode, None, str(e))
+      except BaseException as e:  # noqa: BLE001 - re-raised by the loop
+        out = ("bug", episode, e, None)
+      seconds = time.perf_counter() - t0
+      episode.trajectory.env_seconds += seconds
+      if kind == "step":  # the typical step latency, for the wait for quick answers
+        self._step_seconds = 0.9 * self._step_seconds + 0.1 * seconds
+      self._inbox.put(out)
+
+    self._in_flight += 1
+    self._pool.submit(call)
+
+  # --- the loop -----------------------------------------------------------------------------
 
   def run(
     self, params, task_ids: Sequence[str], samples_per_task: int, rng: jax.Array
   ) -> RolloutResult:
-    """Runs len(task_ids) x samples_per_task episodes; returns them with timing metrics.
+    """Plays len(task_ids) x samples_per_task episodes; returns them with timing metrics.
 
     Args:
       params: the policy's params.
@@ -365,36 +413,209 @@ class Roller:
       rng: a PRNG key.
     """
     t_start = time.perf_counter()
-    timers = {"sample": 0.0, "env_wait": 0.0, "host": 0.0}
+    self._timers = _Timers()
+    self._rng = rng
     stats_before = dataclasses.replace(self.workers.stats)
-    slots = [
-      _Slot(Trajectory(task_id, group, sample))
+    session_before = None if self.session is None else dataclasses.replace(self.session.stats)
+    trajectories = [
+      Trajectory(task_id, group, sample)
       for group, task_id in enumerate(task_ids)
       for sample in range(samples_per_task)
     ]
-    pending, retried, passes = list(range(len(slots))), 0, 0
-    context = None
-    for attempt in range(self.config.episode_retries + 1):
-      for wave in self._waves(pending):
-        # The first pass samples from `rng` itself (a call without retries or waves draws what
-        # it always drew); later passes from keys folded in from their index.
-        pass_key = rng if passes == 0 else jax.random.fold_in(rng, passes)
-        context = self._play([slots[i] for i in wave], params, pass_key, timers) or context
-        passes += 1
-      pending = [i for i in pending if slots[i].trajectory.error is not None]
-      if not pending or attempt == self.config.episode_retries:
-        break
-      for i in pending:  # start over on a fresh environment
-        old = slots[i].trajectory
-        logging.warning("retrying task %s from the start: %s", old.task_id, old.error)
-        fresh = Trajectory(old.task_id, old.group, old.sample)
-        fresh.retried_errors = old.retried_errors + [old.error]
-        slots[i] = _Slot(fresh)
-        retried += 1
+    keys = trajectory_keys(
+      rng,
+      [t.group for t in trajectories],
+      [t.sample for t in trajectories],
+      [0] * len(trajectories),
+      self.config.max_turns,
+    )
+    self._final: dict[tuple[int, int], Trajectory] = {}
+    self._retried = 0
+    capacity = None if self.spec.capacity is None else int(self.spec.capacity())
+    if capacity is not None and capacity < 1:
+      raise EnvironmentFailure("the environment can run no episode now (capacity 0)")
+    slots = (
+      self.config.decode_slots if capacity is None else min(capacity, self.config.decode_slots)
+    )
+    self._schedule(
+      params,
+      collections.deque(_Episode(t, 0, k) for t, k in zip(trajectories, keys)),
+      slots,
+    )
+    trajectories = [self._final[(t.group, t.sample)] for t in trajectories]
+    return RolloutResult(
+      trajectories,
+      self._metrics(trajectories, len(task_ids), t_start, stats_before, session_before),
+    )
 
-    trajectories = [s.trajectory for s in slots]
+  def _schedule(self, params, pending: collections.deque, slots: int) -> None:
+    """The main loop (see the module docstring)."""
+    self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+    self._in_flight = 0
+    self._just_handed = 0  # steps submitted by the last hand-off
+    self._step_seconds = 0.0  # moving average of a step's latency
+    self._policy_seconds = 0.0  # moving average of one prefill + decode round
+    self._held: list = []  # env results held by the turns barrier
+    self._pending = pending
+    self._free_rows = list(range(slots - 1, -1, -1))
+    self._live: dict[int, _Episode] = {}
+    barrier = self.config.scheduler == "turns"
+    self.policy.begin(params)
+    while self._pending or self._live:
+      t_host = time.perf_counter()
+      at_barrier = barrier and self._in_flight == 0 and not self.policy.busy
+      if not barrier or at_barrier:
+        self._admit()
+      self._take_env_results(barrier, at_barrier)
+      self._timers.host += time.perf_counter() - t_host
+      t_sample = time.perf_counter()
+      self.policy.prefill()
+      replies = self.policy.decode()
+      seconds = time.perf_counter() - t_sample
+      self._timers.sample += seconds
+      self._policy_seconds = 0.9 * self._policy_seconds + 0.1 * seconds
+      t_host = time.perf_counter()
+      self._just_handed = len(replies)
+      for reply in replies:
+        self._hand_off(reply)
+      self._timers.host += time.perf_counter() - t_host
+
+  def _admit(self) -> None:
+    """Free rows take pending episodes; their resets go to the env workers."""
+    while self._free_rows and self._pending:
+      episode = self._pending.popleft()
+      episode.row = self._free_rows.pop()
+      self._live[episode.row] = episode
+      self._submit("reset", episode, self._reset, episode.trajectory.task_id)
+
+  def _take_env_results(self, barrier: bool, at_barrier: bool) -> None:
+    """Handles the environment results that came back; blocks only when the policy has
+    nothing to do (the time counts as env wait). The turns barrier holds resets' and steps'
+    results until no call is in flight and no reply is being decoded."""
+    results = []
+    if not self.policy.busy and self._in_flight and not (barrier and self._held and at_barrier):
+      t_wait = time.perf_counter()
+      results.append(self._inbox.get())
+      self._timers.env_wait += time.perf_counter() - t_wait
+    elif not barrier and self._just_handed and self._step_seconds < 0.25 * self._policy_seconds:
+      # Environments much faster than a decode round: the replies just handed off are about
+      # to come back; a short wait lets their rows join the next round instead of idling a
+      # round (at most twice a typical step).
+      t_wait = time.perf_counter()
+      deadline = t_wait + 2 * self._step_seconds
+      for _ in range(min(self._just_handed, self._in_flight)):
+        try:
+          results.append(self._inbox.get(timeout=max(0.0, deadline - time.perf_counter())))
+        except queue.Empty:
+          break
+      self._timers.env_wait += time.perf_counter() - t_wait
+    while True:
+      try:
+        results.append(self._inbox.get_nowait())
+      except queue.Empty:
+        break
+    self._in_flight -= len(results)
+    for result in results:
+      if result[0] == "bug":
+        raise result[2]
+      if barrier and result[0] in ("reset", "step"):
+        self._held.append(result)
+      else:
+        self._handle(*result)
+    if barrier and self._in_flight == 0 and not self.policy.busy:
+      held, self._held = self._held, []
+      for result in held:
+        self._handle(*result)
+
+  def _handle(self, kind: str, episode: _Episode, result, error: Optional[str]) -> None:
+    trajectory = episode.trajectory
+    if error is not None:
+      self._fail(episode, error)
+      return
+    if kind == "reset":
+      episode.handle, episode.tools, prompt = result
+      if len(prompt) + 1 > self.config.max_context_tokens:
+        self._fail(
+          episode,
+          f"the prompt of task {trajectory.task_id!r} has {len(prompt)} tokens; "
+          f"max_context_tokens={self.config.max_context_tokens} leaves no room for a reply",
+        )
+        return
+      self._give(episode, prompt)
+    elif kind == "step":
+      step, ids, cut = result
+      trajectory.truncated_env_tokens += cut
+      if step.done:
+        trajectory.finish_reason = "done"
+      elif trajectory.num_turns == self.config.max_turns:
+        trajectory.finish_reason = "max_turns"
+      else:
+        self._give(episode, ids)
+        return
+      self._submit("score", episode, self.workers.score, episode.handle)
+    elif kind == "score":
+      trajectory.reward = float(result.reward)
+      trajectory.success = bool(result.success)
+      trajectory.score_details = dict(result.details)
+      self._retire(episode)
+
+  def _give(self, episode: _Episode, new_ids: list[int]) -> None:
+    """The episode's new tokens go to its row, which owes the next reply (or the episode
+    ends on the context limit: the new tokens and one reply token must fit)."""
+    trajectory = episode.trajectory
+    if len(trajectory.tokens) + len(new_ids) + 1 > self.config.max_context_tokens:
+      trajectory.finish_reason = "context"
+      self._submit("score", episode, self.workers.score, episode.handle)
+      return
+    trajectory.append(new_ids, PROMPT_OR_ENV)
+    room = self.config.max_context_tokens - len(trajectory.tokens)
+    limit = min(self.sampling_config.max_new_tokens, room)
+    key = episode.turn_keys[trajectory.num_turns]
+    self.policy.give(episode.row, trajectory, new_ids, key, limit)
+
+  def _hand_off(self, reply: policy_lib.PolicyReply) -> None:
+    """A finished reply joins its trajectory and goes to the environment at once."""
+    episode = self._live[reply.row]
+    trajectory = episode.trajectory
+    turn = trajectory.num_turns
+    trajectory.append(reply.ids, turn, reply.logprobs)
+    trajectory.num_turns = turn + 1
+    trajectory.truncated_replies += int(reply.cut)
+    text = self.chat.tokenizer.decode(reply.ids, skip_special_tokens=True)
+    trajectory.replies.append(text)
+    closed = bool(reply.ids) and reply.ids[-1] == self.chat.end_of_turn_id
+    last = turn + 1 == self.config.max_turns
+    self._submit("step", episode, self._step, episode, text, closed, last)
+
+  def _fail(self, episode: _Episode, error: str) -> None:
+    episode.trajectory.error = error
+    episode.trajectory.finish_reason = "env_error"
+    self._retire(episode)
+
+  def _retire(self, episode: _Episode) -> None:
+    """The episode leaves its row; a failed one is queued again from the start if it may."""
+    if episode.handle is not None:
+      self.workers.close(episode.handle)
+      episode.handle = None
+    self.policy.release(episode.row)
+    del self._live[episode.row]
+    self._free_rows.append(episode.row)
+    old = episode.trajectory
+    if old.error is not None and episode.attempt < self.config.episode_retries:
+      logging.warning("retrying task %s from the start: %s", old.task_id, old.error)
+      fresh = Trajectory(old.task_id, old.group, old.sample)
+      fresh.retried_errors = old.retried_errors + [old.error]
+      attempt = episode.attempt + 1
+      keys = trajectory_keys(
+        self._rng, [old.group], [old.sample], [attempt], self.config.max_turns
+      )[0]
+      self._pending.append(_Episode(fresh, attempt, keys))
+      self._retried += 1
+      return
+    self._final[(old.group, old.sample)] = old
+
+  def _metrics(self, trajectories, num_groups, t_start, stats_before, session_before) -> dict:
     failed_groups = _drop_failed_groups(trajectories)
-    num_groups = len(task_ids)
     if failed_groups and len(failed_groups) > self.config.max_failed_group_fraction * num_groups:
       first = {}
       for t in trajectories:
@@ -409,214 +630,28 @@ class Roller:
       if t.error:
         logging.warning("environment failure in task %s: %s", t.task_id, t.error)
     wall = time.perf_counter() - t_start
-    metrics = _rollout_metrics(trajectories, wall, timers, len(failed_groups))
-    metrics["rollout/retried_episodes"] = float(retried)
-    metrics["rollout/passes"] = float(passes)  # sampler passes: the waves, then the retries' waves
-    self.cache_slots = 0 if context is None else context.capacity
-    metrics["rollout/cache_slots"] = float(self.cache_slots)
+    metrics = _rollout_metrics(trajectories, wall, self._timers, len(failed_groups))
+    metrics["rollout/retried_episodes"] = float(self._retried)
     stats = self.workers.stats
     metrics["rollout/env_stopped_calls"] = float(sum(t.env_stopped_calls for t in trajectories))
     metrics["rollout/env_worker_restarts"] = float(stats.restarts - stats_before.restarts)
     metrics["rollout/env_restores"] = float(stats.restores - stats_before.restores)
-    return RolloutResult(trajectories=trajectories, metrics=metrics)
-
-  def _waves(self, pending: list[int]) -> list[list[int]]:
-    """`pending` (slot indices, group by group) in waves of at most `EnvSpec.capacity()`."""
-    capacity = len(pending) if self.spec.capacity is None else int(self.spec.capacity())
-    if capacity < 1:
-      raise EnvironmentFailure("the environment can run no episode now (capacity 0)")
-    if capacity >= len(pending):
-      return [pending] if pending else []
-    logging.info("%d episodes in waves of at most %d", len(pending), capacity)
-    return [pending[k : k + capacity] for k in range(0, len(pending), capacity)]
-
-  def _play(self, slots: list[_Slot], params, rng: jax.Array, timers: dict):
-    """Plays the slots' episodes to the end (reset, turns, score, close); returns the context."""
-    t0 = time.perf_counter()
-    for slot, result, error in self._map(
-      self._reset, [(s, (s.trajectory.task_id,)) for s in slots]
-    ):
-      if error is not None:
-        _fail(slot, error)
-        continue
-      slot.episode, slot.tools, slot.new_ids = result
-      if len(slot.new_ids) + 1 > self.config.max_context_tokens:
-        _fail(
-          slot,
-          f"the prompt of task {slot.trajectory.task_id!r} has {len(slot.new_ids)} tokens; "
-          f"max_context_tokens={self.config.max_context_tokens} leaves no room for a reply",
-        )
-    timers["env_wait"] += time.perf_counter() - t0
-
-    context_rows: list[int] = []  # slot index of each context row (-1: a filler row)
-    context = None
-    eot = self.chat.end_of_turn_id
-    for turn in range(self.config.max_turns):
-      t_host = time.perf_counter()
-      for slot in slots:  # the context limit: the new tokens and one reply token must fit
-        if slot.running and (
-          len(slot.trajectory.tokens) + len(slot.new_ids) + 1 > self.config.max_context_tokens
-        ):
-          slot.running = False
-          slot.trajectory.finish_reason = "context"
-      running = [i for i, s in enumerate(slots) if s.running]
-      if not running:
-        break
-      timers["host"] += time.perf_counter() - t_host
-      if self.text_policy is None:
-        rng, turn_key = jax.random.split(rng)
-        context, context_rows, replies = self._sample_replies(
-          slots, running, context, context_rows, params, turn_key, timers
-        )
-      else:
-        replies = self._text_replies(slots, running)
-
-      t_host = time.perf_counter()
-      jobs = []
-      for i, reply, logprobs, cut in replies:
-        slot, trajectory = slots[i], slots[i].trajectory
-        trajectory.append(reply, turn, logprobs)
-        trajectory.num_turns = turn + 1
-        closed = bool(reply) and reply[-1] == eot
-        trajectory.truncated_replies += int(cut)
-        text = self.chat.tokenizer.decode(reply, skip_special_tokens=True)
-        trajectory.replies.append(text)
-        last = turn + 1 == self.config.max_turns
-        jobs.append((slot, (slot, text, closed, last)))
-      timers["host"] += time.perf_counter() - t_host
-
-      t_wait = time.perf_counter()
-      for slot, result, error in self._map(self._step, jobs):
-        if error is not None:
-          _fail(slot, error)
-          continue
-        step, ids, cut = result
-        slot.trajectory.truncated_env_tokens += cut
-        if step.done:
-          slot.running = False
-          slot.trajectory.finish_reason = "done"
-        elif turn + 1 == self.config.max_turns:
-          slot.running = False
-          slot.trajectory.finish_reason = "max_turns"
-        else:
-          slot.new_ids = ids
-      timers["env_wait"] += time.perf_counter() - t_wait
-
-    # Score every episode that did not fail.
-    t_wait = time.perf_counter()
-    jobs = [(s, (s,)) for s in slots if s.episode is not None and s.trajectory.error is None]
-    for slot, score, error in self._map(self._score, jobs):
-      if error is not None:
-        _fail(slot, error)
-        continue
-      slot.trajectory.reward = float(score.reward)
-      slot.trajectory.success = bool(score.success)
-      slot.trajectory.score_details = dict(score.details)
-    timers["env_wait"] += time.perf_counter() - t_wait
-    for slot in slots:
-      if slot.episode is not None:
-        self.workers.close(slot.episode)
-        slot.episode = None
-      if slot.running:  # never happens: the turn loop ends every trajectory
-        slot.trajectory.finish_reason = slot.trajectory.finish_reason or "max_turns"
-    return context
-
-  def _sample_replies(self, slots, running, context, context_rows, params, key, timers):
-    """One sampler call for the running slots: their new tokens prefilled, a reply decoded.
-
-    Returns (context, context_rows, [(slot index, reply ids, their log-probs, cut)]).
-    """
-    t_host = time.perf_counter()
-    context, context_rows = self._arrange(context, context_rows, running)
-    rows = len(context_rows)
-    width = _bucket(max(len(slots[i].new_ids) for i in running), self.config.token_bucket)
-    new_ids = np.zeros((rows, width), np.int32)
-    new_valid = np.zeros((rows, width), bool)
-    limits = np.zeros((rows,), np.int32)
-    is_running = np.zeros((rows,), bool)
-    for r, i in enumerate(context_rows):
-      if i < 0 or not slots[i].running:  # a filler row, or a finished trajectory
-        continue
-      slot = slots[i]
-      ids = slot.new_ids
-      new_ids[r, width - len(ids) :] = ids  # left padding
-      new_valid[r, width - len(ids) :] = True
-      slot.trajectory.append(ids, PROMPT_OR_ENV)
-      slot.new_ids = []
-      room = self.config.max_context_tokens - len(slot.trajectory.tokens)
-      limits[r] = min(self.sampling_config.max_new_tokens, room)
-      is_running[r] = True
-    context = self._make_room(context, width)
-    timers["host"] += time.perf_counter() - t_host
-
-    t_sample = time.perf_counter()
-    output, context = self.continue_sample(
-      params,
-      context,
-      jnp.asarray(new_ids),
-      jnp.asarray(new_valid),
-      key,
-      max_new_tokens=jnp.asarray(limits),
-    )
-    out = jax.device_get(output)
-    timers["sample"] += time.perf_counter() - t_sample
-    replies = []
-    for r, i in enumerate(context_rows):
-      if is_running[r]:
-        n = int(out.lengths[r])
-        cut = out.finish_reason[r] == int(sampling.FinishReason.LENGTH)
-        replies.append((i, out.tokens[r, :n].tolist(), out.logprobs[r, :n].tolist(), cut))
-    return context, context_rows, replies
-
-  def _text_replies(self, slots, running):
-    """The text policy's reply for each running slot, as ids closed by the end of turn (cut,
-    without it, to the reply and context limits); log-probs 0 (no model sampled them)."""
-    replies = []
-    for i in running:
-      trajectory = slots[i].trajectory
-      trajectory.append(slots[i].new_ids, PROMPT_OR_ENV)
-      slots[i].new_ids = []
-      ids = self.chat.encode(self.text_policy(trajectory)) + [self.chat.end_of_turn_id]
-      room = self.config.max_context_tokens - len(trajectory.tokens)
-      limit = min(self.sampling_config.max_new_tokens, room)
-      replies.append((i, ids[:limit], None, len(ids) > limit))
-    return replies
-
-  def _make_room(self, context, width: int):
-    """Compacts, then grows, the cache until the next call fits (see `cache_bucket`)."""
-    needed = sampling.slots_needed(context, width, self.sampling_config.max_new_tokens)
-    if int(context.cache.index) + needed <= context.capacity:
-      return context
-    context = self.compact(context)
-    end = int(context.cache.index) + needed
-    if end > context.capacity:
-      capacity = _bucket(end, self.config.cache_bucket)
-      if capacity > self.max_capacity:  # cannot happen within the context limit
-        raise RuntimeError(f"the rollout needs {capacity} cache slots > {self.max_capacity}")
-      context = self.grow(context, capacity)
-    return context
-
-  def _arrange(self, context, context_rows, running):
-    """The context batch for this turn: created, or shrunk to the running rows' bucket."""
-    bucket = _row_bucket(len(running), self.config.min_row_bucket)
-    if context is None:
-      rows = running + [running[0]] * (bucket - len(running))
-      rows = [i if k < len(running) else -1 for k, i in enumerate(rows)]
-      context = sampling.init_context(self.model_config, bucket, self.config.cache_bucket)
-      return context, rows
-    if bucket >= len(context_rows):
-      return context, context_rows
-    where = {i: r for r, i in enumerate(context_rows) if i >= 0}
-    keep = [where[i] for i in running] + [where[running[0]]] * (bucket - len(running))
-    context = self.take_rows(context, jnp.asarray(keep, jnp.int32))
-    rows = running + [-1] * (bucket - len(running))
-    return context, rows
-
-
-def _fail(slot: _Slot, error: str) -> None:
-  slot.running = False
-  slot.trajectory.error = error
-  slot.trajectory.finish_reason = "env_error"
+    if self.session is not None:
+      now, slots = self.session.stats, self.config.decode_slots
+      steps = now.decode_steps - session_before.decode_steps
+      row_steps = now.decode_row_steps - session_before.decode_row_steps
+      generated = metrics["rollout/generated_tokens"]
+      metrics["rollout/decode_steps"] = float(steps)
+      metrics["rollout/decode_calls"] = float(now.decode_calls - session_before.decode_calls)
+      metrics["rollout/prefill_calls"] = float(now.prefill_calls - session_before.prefill_calls)
+      # Share of the decode rows that were decoding, over the decode steps run.
+      metrics["rollout/slot_occupancy"] = row_steps / (steps * slots) if steps else 0.0
+      metrics["rollout/decode_steps_per_token"] = steps / generated if generated else 0.0
+      metrics["rollout/cache_slots"] = float(now.peak_cache_slots)
+      metrics["rollout/cache_slots_per_live_token"] = (
+        now.peak_cache_slots / now.live_tokens_at_peak if now.live_tokens_at_peak else 0.0
+      )
+    return metrics
 
 
 def _drop_failed_groups(trajectories: Sequence[Trajectory]) -> set[int]:
@@ -631,10 +666,10 @@ def _rollout_metrics(trajectories, wall: float, timers: dict, failed_groups: int
   generated = sum(sum(1 for x in t.turn_ids if x >= 0) for t in trajectories)
   metrics = {
     "rollout/time": wall,
-    "rollout/sample_time": timers["sample"],
-    "rollout/env_wait_time": timers["env_wait"],
-    "rollout/host_time": timers["host"],
-    "rollout/env_wait_share": timers["env_wait"] / wall if wall > 0 else 0.0,
+    "rollout/sample_time": timers.sample,
+    "rollout/env_wait_time": timers.env_wait,
+    "rollout/host_time": timers.host,
+    "rollout/env_wait_share": timers.env_wait / wall if wall > 0 else 0.0,
     "rollout/generated_tokens": float(generated),
     "rollout/tokens_per_s": generated / wall if wall > 0 else 0.0,
     "rollout/failed_groups": float(failed_groups),

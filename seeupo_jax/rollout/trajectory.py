@@ -44,6 +44,7 @@ class Trajectory:
   truncated_replies: int = 0
   truncated_env_tokens: int = 0
   env_stopped_calls: int = 0  # replies whose call was stopped (time or memory limit)
+  env_seconds: float = 0.0  # time in its environment calls (reset, steps, score)
   error: Optional[str] = None
   dropped: bool = False  # its group had a failure: not trained on
   retried_errors: list[str] = dataclasses.field(default_factory=list)  # earlier failed attempts

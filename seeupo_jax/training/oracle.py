@@ -1,10 +1,12 @@
 """`--config.policy=oracle`: play every task with the environment's oracle, no model.
 
 Checks an install end to end (data, backends, executor, checker, reward) and
-measures the environment alone: each task's episode is driven with the
-oracle's scripted replies through the same env workers and `reset`/`step`/
-`score`/`close` calls as the rollout loop (threads or worker processes, as
-`rollout.env_isolation` says), `rollout.env_workers` episodes at a time.
+measures the environment alone: each task's episode is played by the rollout
+engine (`rollout.Roller`) with a text policy that gives the oracle's scripted
+replies, through the same env workers and `reset`/`step`/`score`/`close` calls
+as training (threads or worker processes, as `rollout.env_isolation` says),
+`rollout.env_workers` episodes at a time. A task whose replies run out before
+the environment says done gets empty replies up to its turn limit (and fails).
 
 Reports, per split: the oracle's success rate (1.0 on a sound install), its
 mean reward, the assistant turns it needs, the share of tasks it can finish
@@ -14,7 +16,6 @@ failed oracle episode is an error (`OracleFailure`) listing the first ones.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import os
@@ -23,7 +24,11 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from seeupo_jax import chat_tokens
+from seeupo_jax import sampling
+from seeupo_jax import tokenizer as tokenizer_lib
 from seeupo_jax.envs import base
+from seeupo_jax.rollout import roller as roller_lib
 from seeupo_jax.rollout import workers as workers_lib
 
 
@@ -65,22 +70,64 @@ def run_oracle(
   task_ids: Sequence[str],
   workers: int,
   env_workers: Optional[workers_lib.EnvWorkers] = None,
+  chat: Optional[chat_tokens.ChatTokens] = None,
 ) -> list[OracleEpisode]:
-  """The oracle's episodes of `task_ids`, in order, `workers` at a time.
+  """The oracle's episodes of `task_ids`, in order, `workers` at a time, through the engine.
 
   env_workers: where the environments run; None: in this process (`ThreadWorkers`).
+  chat: the chat template that renders prompts and observations (None: the default
+    tokenizer's; the oracle's replies and rewards do not depend on it).
   """
   if spec.oracle is None:
     raise ValueError("this environment has no oracle policy")
   oracle: Callable[[str], list[str]] = spec.oracle
+  replies = {task_id: list(oracle(task_id)) for task_id in dict.fromkeys(task_ids)}
+  if not replies:
+    return []
+  if chat is None:
+    chat = chat_tokens.ChatTokens(tokenizer_lib.build_default_tokenizer())
   if env_workers is None:
     env_workers = workers_lib.ThreadWorkers(spec.make)
+  unlimited = 2**30  # no context, reply or observation limit: the oracle's own episode
 
-  def one(task_id: str) -> OracleEpisode:
-    return play(env_workers, task_id, oracle(task_id))
+  def reply_text(trajectory) -> str:
+    script = replies[trajectory.task_id]
+    return script[trajectory.num_turns] if trajectory.num_turns < len(script) else ""
 
-  with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-    return list(pool.map(one, task_ids))
+  config = roller_lib.RolloutConfig(
+    max_turns=max(1, max(len(r) for r in replies.values())),
+    max_context_tokens=unlimited,
+    max_env_tokens=unlimited,
+    env_workers=workers,
+    decode_slots=workers,
+    reset_retries=0,
+    episode_retries=0,
+    max_failed_group_fraction=1.0,
+  )
+  engine = roller_lib.Roller(
+    spec,
+    chat,
+    None,
+    sampling.SamplingConfig(max_new_tokens=unlimited),
+    config,
+    workers=env_workers,
+    text_policy=reply_text,
+  )
+  try:
+    result = engine.run(None, list(task_ids), 1, np.zeros((2,), np.uint32))
+  finally:
+    engine.close()
+  return [
+    OracleEpisode(
+      t.task_id,
+      t.error is None and t.success,
+      t.reward,
+      t.num_turns,
+      t.env_seconds,
+      t.score_details if t.error is None else {"error": t.error},
+    )
+    for t in result.trajectories
+  ]
 
 
 def summarize(episodes: Sequence[OracleEpisode], max_turns: int) -> dict[str, float]:

@@ -170,6 +170,11 @@ def build_rollout_config(r: ml_collections.ConfigDict) -> rollout.RolloutConfig:
     reset_retries=r.reset_retries,
     episode_retries=r.episode_retries,
     max_failed_group_fraction=r.max_failed_group_fraction,
+    scheduler=r.scheduler,
+    decode_slots=r.decode_slots,
+    decode_steps_per_sync=r.decode_steps_per_sync,
+    page_size=r.page_size,
+    prefill_chunk=r.prefill_chunk,
   )
 
 
@@ -230,7 +235,12 @@ def _build(config: ml_collections.ConfigDict) -> Program:
 
   # Worker processes start last, once everything else in the config has checked out.
   # The sampler decodes with its own copy of the params (tensor-parallel, compute dtype).
-  decode = decode_layout.DecodeLayout(model_config, mesh)
+  tensor = config.rollout.decode_tensor_parallel
+  if not isinstance(tensor, int) or tensor < 0:
+    raise ConfigError(
+      f"rollout.decode_tensor_parallel must be an int >= 0 (0: one data slice), got {tensor!r}"
+    )
+  decode = decode_layout.DecodeLayout(model_config, mesh, tensor=tensor or None)
   cache_sharding = decode.cache_sharding
   env_workers = rollout.make_workers(spec, rollout_config.worker_config(spec.isolation))
   roller = rollout.Roller(
