@@ -16,7 +16,7 @@ reported as "warm-up").
 
 Per algorithm the report gives the median iteration time and where it goes,
 as shares of the summed iteration times (they add up to 100%):
-  sampling      `rollout/sample_time`: the jitted continuer calls, to the host copy of their output;
+  sampling      `rollout/sample_time`: the sampler session's jitted prefill/decode calls, to the host copy of their output;
   envs          `rollout/env_wait_time`: reset, step and score in the worker threads;
   rollout host  `rollout/host_time`: building each turn's inputs, decoding replies;
   rollout other the rest of the rollout call (setup, dropping failed groups, its metrics);
@@ -38,10 +38,10 @@ The rollout's tokens/s = generated tokens / rollout wall, and its sampler's =
 generated tokens / sampling (both summed over the timed iterations; replies
 can stop early at the end-of-turn token, so fewer than rows x R x D tokens).
 The two sampler rates differ by more than the bridge: the plain sampler's
-cache has prompt + R slots, while the rollout's continuer keeps one cache
-across the D turns, grown in `rollout.cache_bucket` steps as the conversations
-get longer (`Roller.cache_slots` at the end of the call), and every decode step
-attends over all its slots; the table gives both cache sizes. The overhead share above is the bridge's measure.
+cache has prompt + R slots, while the rollout's sampler session keeps each
+conversation in a paged KV cache across the D turns (pages of `rollout.page_size`
+slots, `Roller.cache_slots` = the peak number of slots in use), and every decode step
+attends over its row's pages; the table gives both cache sizes. The overhead share above is the bridge's measure.
 
   .venv/bin/python benchmarks/bench_train.py                    # the config's B = 16, n = 8, D = 3
   .venv/bin/python benchmarks/bench_train.py --rounds 5 --iterations-per-round 2
