@@ -18,10 +18,14 @@ Two ways in, one set of steps:
   row to another, no index is shared.
 
 Prompts of different lengths share one batch (pad anywhere; RoPE positions count only valid
-tokens). Each sampled token's log-prob is taken under softmax(logits / temperature) of the FULL
-distribution (before top-k / top-p), so it equals the teacher-forced
-`qwen.token_logprobs(..., temperature=temperature)` of the same sequence and can serve as
-`old_logp` in RL. Greedy decoding takes the argmax and reports the log-prob at `temperature`.
+tokens). Each sampled token's log-prob is taken under the distribution it was drawn from,
+softmax(filter(logits / temperature)) (`filter_logits`: top-k, then top-p): the behaviour
+policy of an importance weight (`LearnerConfig.tis`). With top-k and top-p off (the training
+default) that is the full tempered distribution, so it equals the teacher-forced
+`qwen.token_logprobs(..., temperature=temperature)` of the same sequence (the learner's
+`sample_logp_gap_*` metrics check it); with them on it is log p_full - log(kept mass), and the
+gap metrics show the filter's share. Greedy decoding takes the argmax and reports the log-prob
+of the full distribution at `temperature`.
 
 Randomness: a row draws the token of its reply's step t with `fold_in(reply_key, t)`. The
 one-shot sampler's reply keys are `rng` itself ([B] keys) or `split(rng, B)` (one key); a
@@ -126,7 +130,8 @@ class SampleOutput:
   """What the sampler returns (N = SamplingConfig.max_new_tokens).
 
   tokens:        int32[B, N], generated ids (the stop token included), pad_id after the end.
-  logprobs:      float32[B, N], log softmax(logits / T)[token] of the full distribution; 0 after the end.
+  logprobs:      float32[B, N], log softmax(filter(logits / T))[token], the distribution sampled
+                 from (the full one without top-k/top-p, and when greedy); 0 after the end.
   mask:          bool[B, N], True on generated tokens (the first `lengths[b]` of row b).
   lengths:       int32[B], number of generated tokens.
   finish_reason: int32[B], a `FinishReason` value.
@@ -228,10 +233,12 @@ def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> j
 def select_token(
   key: jax.Array, logits: jax.Array, *, temperature: float, top_k: int, top_p: float, greedy: bool
 ) -> tuple[jax.Array, jax.Array]:
-  """Picks the next token of one row and its log-prob under the unfiltered distribution.
+  """Picks the next token of one row and its log-prob under the distribution drawn from.
 
-  token = argmax(logits) if greedy else a draw from softmax(filter(logits / T));
-  logp = log softmax(logits / T)[token].
+  z = logits / T
+  sampled: token ~ softmax(filter(z)),  logp = log softmax(filter(z))[token]
+           (`sampling_probs.sampled_logprob`; = log softmax(z)[token] with top-k/top-p off)
+  greedy:  token = argmax(z),           logp = log softmax(z)[token]
 
   Args:
       key: PRNG key of this row and step (unused when greedy).
@@ -245,9 +252,11 @@ def select_token(
   scaled = logits.astype(jnp.float32) / temperature
   if greedy:
     token = jnp.argmax(scaled)
+    logp = jax.nn.log_softmax(scaled)[token]
   else:
-    token = jax.random.categorical(key, filter_logits(scaled, top_k=top_k, top_p=top_p))
-  logp = jax.nn.log_softmax(scaled)[token]
+    filtered = filter_logits(scaled, top_k=top_k, top_p=top_p)
+    token = jax.random.categorical(key, filtered)
+    logp = jax.nn.log_softmax(filtered)[token]
   return token.astype(jnp.int32), logp
 
 

@@ -1,10 +1,11 @@
 """The log-prob of a sampled token under the distribution it was actually drawn from.
 
 The sampler draws from softmax(filter(logits / T)) (`sampling.filter_logits`: top-k, then
-top-p on the renormalised top-k distribution), while `SampleOutput.logprobs` today report
-log softmax(logits / T) of the full tempered distribution, the learner's `qwen_logprob_fn`.
-With top-k or top-p on, the two differ by the log of the kept mass; the behaviour policy of
-an importance weight (the learner's `LearnerConfig.tis`) is the filtered one, given here.
+top-p on the renormalised top-k distribution) and records this log-prob
+(`sampling.select_token`), while the learner's `qwen_logprob_fn` computes log softmax(logits / T)
+of the full tempered distribution. With top-k or top-p on, the two differ by the log of the
+kept mass; the behaviour policy of an importance weight (the learner's `LearnerConfig.tis`) is
+the filtered one. This is its reference: one row, independent of the sampler's loop.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def sampled_logprob(
     log pi_sampler(y) = z_y - log sum_{v in K} exp(z_v)   if y in K,   -inf otherwise
                       = log softmax(z)_y - log sum_{v in K} softmax(z)_v
   With top_k = 0 and top_p = 1 nothing is filtered and the result is bit for bit
-  `jax.nn.log_softmax(z)[token]`, what `sampling.select_token` reports. A token outside K
+  `jax.nn.log_softmax(z)[token]`. A token outside K
   (it cannot have been drawn; greedy's argmax is always in K) gets -inf.
 
   One row; `jax.vmap` it over rows (as `sampling.emit` does with `select_token`).

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from seeupo_jax import sampling
+from seeupo_jax import sampling_probs
 from seeupo_jax import sharding
 from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.models import qwen
@@ -82,9 +83,13 @@ def test_select_token_frequencies_match_exact_distribution():
   # Binomial std <= 0.0025 here; 0.012 is ~5 std.
   np.testing.assert_allclose(freq, want, atol=0.012)
   assert np.all(freq[want == 0] == 0)
-  # Reported log-prob: the full (unfiltered) tempered distribution.
+  # Reported log-prob: that of the filtered distribution drawn from (exact enumeration),
+  # log p_full - log(kept mass), not the full tempered one.
+  with np.errstate(divide="ignore"):
+    sampled = np.log(want)
+  np.testing.assert_allclose(np.asarray(logps), sampled[np.asarray(tokens)], atol=1e-6)
   full = np_log_softmax(logits / temperature)
-  np.testing.assert_allclose(np.asarray(logps), full[np.asarray(tokens)], atol=1e-6)
+  assert np.all(np.asarray(logps) > full[np.asarray(tokens)] + 0.1)
 
 
 def test_select_token_greedy():
@@ -185,15 +190,38 @@ def _teacher_forced(params, ids, valid, tokens, mask, *, cfg, temperature):
   return logp[:, ids.shape[1] - 1 :]
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "sc"))
+def _teacher_forced_sampled(params, ids, valid, tokens, mask, *, cfg, sc):
+  """The log-prob the sampler must record, by teacher forcing: the generated tokens' log-probs
+  under softmax(filter(logits / T)) (`sampling_probs.sampled_logprob`, the full distribution
+  when greedy), from one full forward pass: f32[B, N]."""
+  seq = jnp.concatenate([ids, tokens], axis=1)
+  seq_valid = jnp.concatenate([valid, mask], axis=1)
+  positions = sampling.prompt_positions(seq_valid)
+  logits, _ = qwen.forward(params, seq[:, :-1], positions[:, :-1], seq_valid[:, :-1], config=cfg)
+  logits = logits[:, ids.shape[1] - 1 :]
+  top_k, top_p = (0, 1.0) if sc.greedy else (sc.top_k, sc.top_p)
+  one = functools.partial(
+    sampling_probs.sampled_logprob, temperature=sc.temperature, top_k=top_k, top_p=top_p
+  )
+  return jax.vmap(jax.vmap(one))(logits, tokens)
+
+
 @pytest.mark.parametrize("sc", [SAMPLE_CFG, GREEDY_CFG], ids=["sample", "greedy"])
 def test_logprobs_equal_teacher_forced(model, sc):
   cfg, params = model
   ids, valid, out = _run(model, sc, _keys(3))
   assert np.all(np.asarray(out.lengths) == N_NEW)
-  want = _teacher_forced(
+  want = _teacher_forced_sampled(params, ids, valid, out.tokens, out.mask, cfg=cfg, sc=sc)
+  np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(want), atol=2e-5)
+  full = _teacher_forced(
     params, ids, valid, out.tokens, out.mask, cfg=cfg, temperature=sc.temperature
   )
-  np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(want), atol=2e-5)
+  if sc.greedy:  # the full tempered distribution: the learner's log-probs
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(full), atol=2e-5)
+  else:  # top-k/top-p on: log p_full - log(kept mass) >= log p_full, strictly somewhere
+    assert np.all(np.asarray(out.logprobs) >= np.asarray(full) - 2e-5)
+    assert np.mean(np.asarray(out.logprobs) > np.asarray(full) + 1e-3) > 0.5
   # Not a degenerate model: sampled tokens vary and log-probs are far from uniform.
   assert len(np.unique(np.asarray(out.tokens))) > 10
   assert np.asarray(out.logprobs).max() > np.log(1 / cfg.vocab_size) + 1.0

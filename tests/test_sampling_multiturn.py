@@ -12,8 +12,8 @@ turns each, with no padding between rows (each row writes at its own positions):
   SOLO   1 row, prefill_chunk 64 (every input in one call), a pool that never grows: every
          conversation replayed alone in a fresh session with the same reply keys.
 
-Checks: the replies' log-probs equal teacher-forced `qwen.token_logprobs` over each whole
-conversation; the batch's replies equal the solo ones (tokens equal, log-probs within 1e-5:
+Checks: the replies' log-probs equal the teacher-forced log-probs of the (top-k/top-p filtered)
+distribution sampled from over each whole conversation; the batch's replies equal the solo ones (tokens equal, log-probs within 1e-5:
 independent of the batch, the row index, the prefill chunking, the pool growth, and of a
 row's earlier, released conversation); page accounting at every call; stop / limit / finish
 reasons; the session's errors. The programs are module-level jits keyed by the configs and
@@ -21,6 +21,7 @@ shapes: the geometry below is chosen so that the whole file compiles a handful o
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ import numpy as np
 import pytest
 
 from seeupo_jax import sampling
+from seeupo_jax import sampling_probs
 from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.models import qwen
 
@@ -164,18 +166,19 @@ def solo(model):
 
 @jax.jit
 def _teacher_forced(params, ids, valid):
-  """logp[b, s] = log p(ids[b, s + 1] | ids[b, :s + 1]) by teacher forcing: f32[B, S - 1]."""
+  """logp[b, s] = log p(ids[b, s + 1] | ids[b, :s + 1]) by teacher forcing, under the filtered
+  distribution the sampler draws from (`sampling_probs.sampled_logprob` with SAMPLE_CFG's
+  temperature, top-k and top-p), from one full forward pass: f32[B, S - 1]."""
   cfg = model_config_lib.get_preset("qwen3-tiny")
   positions = sampling.prompt_positions(valid)
-  return qwen.token_logprobs(
-    params,
-    ids[:, :-1],
-    ids[:, 1:],
-    positions[:, :-1],
-    valid[:, :-1],
-    config=cfg,
+  logits, _ = qwen.forward(params, ids[:, :-1], positions[:, :-1], valid[:, :-1], config=cfg)
+  one = functools.partial(
+    sampling_probs.sampled_logprob,
     temperature=SAMPLE_CFG.temperature,
+    top_k=SAMPLE_CFG.top_k,
+    top_p=SAMPLE_CFG.top_p,
   )
+  return jax.vmap(jax.vmap(one))(logits, ids[:, 1:])
 
 
 # ---------------------------------------------------------------------------------------------

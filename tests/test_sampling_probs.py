@@ -76,7 +76,7 @@ def test_matches_exact_enumeration(setting, jit):
 
 
 def test_unfiltered_is_the_full_tempered_logprob_bit_for_bit():
-  """top_k = 0, top_p = 1: what `sampling.select_token` reports today, exactly."""
+  """top_k = 0, top_p = 1: the full tempered log-prob, exactly (the learner's)."""
   logits = jnp.asarray(np.random.default_rng(1).normal(0.0, 3.0, V), jnp.float32)
   for token in range(V):
     got = sampled_logprob(logits, jnp.int32(token), temperature=0.9, top_k=0, top_p=1.0)
