@@ -494,7 +494,7 @@ def evaluate_only(config: ml_collections.ConfigDict, workdir: str, defaults=None
     program.close()
 
 
-def _evaluate_only(config, workdir: str, program: Program, defaults) -> dict[str, float]:
+def _evaluate_only(config, workdir: str, program: Program, defaults=None) -> dict[str, float]:
   state = program.init_state()
   checkpointer = _checkpointer(config, workdir, defaults, read_only=True)
   iteration = 0
@@ -535,7 +535,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, defaults=None) -> dic
       program.close()
 
 
-def _train(config, workdir: str, program: Program, defaults) -> dict[str, float]:
+def _train(config, workdir: str, program: Program, defaults=None) -> dict[str, float]:
   k = config.eval.k
   train_ids = program.spec.task_ids("train")
   eval_ids = list(program.spec.task_ids("eval"))[: config.eval.num_tasks]
