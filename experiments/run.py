@@ -14,10 +14,12 @@ workdir resumes from its last checkpoint. The config's `program` selects
 what runs, from the fixed table `PROGRAMS`. This file only dispatches.
 
 Expected failures end the run with one line on stderr, `error: ...`, and a
-non-zero status, never a traceback: a bad config or an environment that cannot
-run here (status 2); environments failing mid-run, a server pool gone, an
-oracle that fails (status 1; their traceback goes to `<workdir>/error.log`,
-which the line names). An unexpected exception (a bug) shows its traceback.
+non-zero status, never a traceback: a bad config, an environment that cannot
+run here, a workdir that cannot be used (a file, locked by a live run, only
+unreadable checkpoints) (status 2); environments failing mid-run, a server pool
+gone, an oracle that fails (status 1; their traceback goes to
+`<workdir>/error.log`, which the line names). An unexpected exception (a bug)
+shows its traceback.
 """
 
 import functools
@@ -41,16 +43,19 @@ DEFAULT_CONFIG = "synthetic"
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default runs/<config name>).")
 
 
-def _run_bandit(config: ml_collections.ConfigDict, workdir: str) -> None:
+def _run_bandit(config: ml_collections.ConfigDict, workdir: str, defaults) -> None:
   from seeupo_jax.theory import sweep  # pylint: disable=g-import-not-at-top
+  from seeupo_jax.training import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
 
+  del defaults
+  workdir_lib.prepare(workdir)
   sweep.main(config, workdir)
 
 
-def _run_train(config: ml_collections.ConfigDict, workdir: str) -> None:
+def _run_train(config: ml_collections.ConfigDict, workdir: str, defaults) -> None:
   from seeupo_jax.training import trainer  # pylint: disable=g-import-not-at-top
 
-  trainer.main(config, workdir)
+  trainer.main(config, workdir, defaults)
 
 
 PROGRAMS = {
@@ -109,9 +114,10 @@ def _main(argv: list[str], name: str) -> None:
   from seeupo_jax.training import trainer  # pylint: disable=g-import-not-at-top
 
   try:
-    PROGRAMS[config.program](config, workdir)
-  except envs.EnvironmentUnavailable as e:
-    print(f"error: --config={name}: {e}", file=sys.stderr)
+    # The config file's defaults: a resumed checkpoint may lack keys added since.
+    PROGRAMS[config.program](config, workdir, configs.get_config(name))
+  except (envs.EnvironmentUnavailable, trainer.WorkdirError) as e:
+    print(f"error: --config={name}: {one_line(e)}", file=sys.stderr)
     sys.exit(2)
   except trainer.ConfigError as e:
     print(f"error: bad config for --config={name}: {e}", file=sys.stderr)

@@ -490,11 +490,12 @@ def test_metrics_log_resume_drops_the_iterations_written_again(tmp_path):
   assert [r["iteration"] for r in metrics_log.read_metrics(path)] == list(range(9))
 
 
-def test_read_metrics_refuses_a_corrupt_middle_line(tmp_path):
+def test_read_metrics_skips_a_corrupt_middle_line(tmp_path, caplog):
   path = tmp_path / "metrics.jsonl"
   path.write_text('{"iteration": 0}\nnot json\n{"iteration": 1}\n')
-  with pytest.raises(ValueError, match="metrics.jsonl:2"):
-    metrics_log.read_metrics(str(path))
+  with caplog.at_level("WARNING"):
+    assert metrics_log.read_metrics(str(path)) == [{"iteration": 0}, {"iteration": 1}]
+  assert "metrics.jsonl: skipped 1 line(s)" in caplog.text and "line 2" in caplog.text
 
 
 def test_plot_curves_writes_a_png_with_one_panel_per_present_key(tmp_path):

@@ -85,8 +85,20 @@ def load_config(directory: str, **overrides: Any) -> ModelConfig:
     return ModelConfig.from_hf_dict(json.load(f), **overrides)
 
 
+def check_files(directory: str) -> None:
+  """Opens every safetensors file of the checkpoint in `directory` and checks its header (sizes,
+  dtypes, shapes, offsets), reading no tensor data.
+
+  Raises:
+    safetensors_io.SafetensorsError: a file is truncated or its header is bad (the message names
+      the file and the tensor).
+    FileNotFoundError: no safetensors files, or one the index names is missing.
+  """
+  _TensorSource(directory)
+
+
 class _TensorSource:
-  """Name -> memory-mapped tensor over the checkpoint's safetensors files."""
+  """Name -> memory-mapped tensor over the checkpoint's safetensors files (headers checked)."""
 
   def __init__(self, directory: str):
     index_path = os.path.join(directory, INDEX_FILE)

@@ -16,7 +16,15 @@ Saves are synchronous: when `save` returns, the checkpoint is complete on disk, 
 after it cannot lose it. Orbax writes each checkpoint into `<iteration>.orbax-checkpoint-tmp-*`
 and renames it to `<iteration>` only when complete, so a kill -9 during a save leaves the previous
 checkpoints as they were; the leftover temporary directory is ignored by `restore_latest` and
-deleted when the next `Checkpointer` opens the directory.
+deleted when the next `Checkpointer` that owns the directory opens it (not `read_only`: the
+trainer, which holds the workdir's lock, so no other save is under way).
+
+A checkpoint that cannot be read (a truncated or deleted file, a missing item) is skipped with a
+one-line warning naming it, and `restore_latest` restores the newest one that reads; unless
+`read_only`, the unreadable newer ones are then moved aside to `<iteration>.unreadable` (kept
+for inspection, out of orbax's sight, so the next save of that iteration has its name back).
+When checkpoints exist but none reads, `restore_latest` raises `CheckpointsUnreadable`: a run
+never starts again from iteration 0 silently.
 
 Before restoring, the manifest is compared with the target: a different tree structure, shape or
 dtype (e.g. the model preset changed but the workdir is reused) is a ValueError naming the first
@@ -27,14 +35,18 @@ listing them (`check_config`). The HF safetensors export of the model is separat
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
+import sys
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 
 PyTree = Any
 
@@ -44,6 +56,11 @@ DEFAULT_ALLOWED_TO_DIFFER = ("num_iterations", "eval", "log", "checkpoint")
 MANIFEST_FORMAT = 1
 _STATE, _RNG, _PROGRESS, _MANIFEST = "train_state", "rng", "progress", "manifest"
 _KEY_DATA = "key_data"  # orbax's StandardSave takes trees, not single arrays
+UNREADABLE_SUFFIX = ".unreadable"
+
+
+class CheckpointsUnreadable(RuntimeError):
+  """Checkpoints exist, but none of them can be read; the message names each with its error."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,6 +193,7 @@ def check_config(
   saved: Mapping[str, Any],
   current: Mapping[str, Any],
   allowed_to_differ: Sequence[str] = DEFAULT_ALLOWED_TO_DIFFER,
+  defaults: Optional[Mapping[str, Any]] = None,
 ) -> None:
   """Raises ValueError if a resumed run's config differs from the checkpoint's.
 
@@ -184,20 +202,34 @@ def check_config(
     current: the config of the run that resumes (nested dict or ConfigDict); compared after a
       JSON round trip, so a tuple equals the list it was saved as.
     allowed_to_differ: dotted keys or prefixes that may change ("eval" allows "eval.every", ...).
+    defaults: the config's defaults (nested dict or ConfigDict), e.g. the config file's
+      `get_config()` before overrides. A key absent from the checkpoint (one added to the
+      config after the checkpoint was written) whose current value equals its default counts
+      as unchanged: the old run behaved as the default does. None: every absent key differs.
 
   Raises:
     ValueError: listing every other dotted key that was added, removed or changed, with its
-      saved and current values.
+      saved and current values (and, for a key the checkpoint lacks, its default).
   """
   old = flatten_config(_jsonable(saved, "the saved config"))
   new = flatten_config(_jsonable(current, "the current config"))
+  default = {} if defaults is None else flatten_config(_jsonable(defaults, "the defaults"))
   missing = object()
+  show = lambda v: "(absent)" if v is missing else json.dumps(v)  # noqa: E731
   changed = []
   for key in sorted(set(old) | set(new)):
     a, b = old.get(key, missing), new.get(key, missing)
-    if a != b and not _allowed(key, allowed_to_differ):
-      show = lambda v: "(absent)" if v is missing else json.dumps(v)  # noqa: E731
-      changed.append(f"{key}: {show(a)} in the checkpoint, {show(b)} now")
+    if a == b or _allowed(key, allowed_to_differ):
+      continue
+    if a is missing and key in default:
+      if b == default[key]:
+        continue  # a key added since, at its default
+      changed.append(
+        f"{key}: (absent) in the checkpoint (written before the key existed; its default "
+        f"{json.dumps(default[key])} is what that run used), {show(b)} now"
+      )
+      continue
+    changed.append(f"{key}: {show(a)} in the checkpoint, {show(b)} now")
   if changed:
     raise ValueError(
       f"the config differs from the checkpoint's in {len(changed)} key(s) that must not change "
@@ -227,6 +259,40 @@ def _directory(path: str) -> str:
   return path if "://" in path else os.path.abspath(path)
 
 
+def _one_line(error: BaseException, limit: int = 300) -> str:
+  """'Type: message' of the innermost cause of `error` (orbax wraps tensorstore's precise error
+  in a generic one), its first line, at most `limit` characters."""
+  seen = {id(error)}
+  while True:
+    inner = error.__cause__
+    if inner is None and not error.__suppress_context__:  # `raise ... from None` ends the chain
+      inner = error.__context__
+    if inner is None or id(inner) in seen:
+      break
+    seen.add(id(inner))
+    error = inner
+  lines = str(error).strip().splitlines()
+  text = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+  return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def _unraisable_to_log():
+  """Logs (at debug level) instead of printing the "Exception ignored in <coroutine>" tracebacks
+  of orbax's other reads, abandoned when one read of an unreadable checkpoint fails."""
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    logging.debug("while reading a checkpoint: %s", unraisable.exc_value)
+
+  sys.unraisablehook = hook
+  try:
+    yield
+  finally:
+    gc.collect()  # the abandoned coroutines go now, while the hook is in place
+    sys.unraisablehook = previous
+
+
 class Checkpointer:
   """Keep-last-N checkpoints of (train state, PRNG key, progress) in one directory.
 
@@ -239,6 +305,10 @@ class Checkpointer:
       checkpoint's manifest; when given, `restore_latest` checks it against the saved one
       (`check_config`) and refuses a changed config.
     allowed_to_differ: the config keys (dotted prefixes) that may change on resume.
+    defaults: the config's defaults, for keys the checkpoint lacks (see `check_config`).
+    read_only: never change the directory: no `save`, leftover temporary directories are left
+      alone (they may be a running trainer's save in progress) and unreadable checkpoints are
+      not moved aside. For readers beside a trainer (an evaluation).
   """
 
   def __init__(
@@ -249,12 +319,16 @@ class Checkpointer:
     every: int = 10,
     config: Optional[Mapping[str, Any]] = None,
     allowed_to_differ: Sequence[str] = DEFAULT_ALLOWED_TO_DIFFER,
+    defaults: Optional[Mapping[str, Any]] = None,
+    read_only: bool = False,
   ):
     if keep < 1 or every < 1:
       raise ValueError(f"Checkpointer needs keep >= 1 and every >= 1, got {keep=}, {every=}")
     self.directory = _directory(directory)
     self.every = every
+    self.read_only = read_only
     self._config = None if config is None else _jsonable(config, "config")
+    self._defaults = None if defaults is None else _jsonable(defaults, "defaults")
     self._allowed_to_differ = tuple(allowed_to_differ)
     self._manager = ocp.CheckpointManager(
       self.directory,
@@ -262,15 +336,16 @@ class Checkpointer:
         max_to_keep=keep,
         save_interval_steps=every,
         create=True,
-        # Deletes the `<step>.orbax-checkpoint-tmp-*` directories of interrupted saves.
-        cleanup_tmp_directories=True,
+        # Deletes the `<step>.orbax-checkpoint-tmp-*` directories of interrupted saves; only
+        # the directory's owner may (a reader could delete a running save's directory).
+        cleanup_tmp_directories=not read_only,
         # `save` blocks anyway; without the background thread nothing outlives the call.
         enable_async_checkpointing=False,
       ),
     )
 
   def latest_iteration(self) -> Optional[int]:
-    """The newest complete checkpoint's iteration, or None if there is none."""
+    """The newest complete checkpoint's iteration (readable or not), or None if there is none."""
     return self._manager.latest_step()
 
   def all_iterations(self) -> list[int]:
@@ -307,8 +382,11 @@ class Checkpointer:
       forced) or already saved (e.g. a forced final save right after an interval save).
 
     Raises:
-      ValueError: `iteration` is older than the newest checkpoint, or `progress` is not JSON.
+      ValueError: `iteration` is older than the newest checkpoint, `progress` is not JSON, or
+        the Checkpointer is read-only.
     """
+    if self.read_only:
+      raise ValueError(f"cannot save iteration {iteration}: {self.directory} is open read-only")
     if not (force or self.should_save(iteration)):
       return False
     latest = self.latest_iteration()
@@ -338,11 +416,12 @@ class Checkpointer:
     return bool(saved)
 
   def _manifest(self, iteration: int) -> dict[str, Any]:
+    """The checkpoint's manifest; raises (any exception: orbax's vary) if it cannot be read."""
     restored = self._manager.restore(
       iteration, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
     )
     manifest = restored[_MANIFEST]
-    if not manifest or manifest.get("format") != MANIFEST_FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
       raise ValueError(
         f"checkpoint {self._where(iteration)} has no manifest of format {MANIFEST_FORMAT}: "
         "it was not written by seeupo_jax.training.checkpoints.Checkpointer"
@@ -358,10 +437,60 @@ class Checkpointer:
     iteration = self.latest_iteration() if iteration is None else iteration
     return None if iteration is None else self._manifest(iteration)["config"]
 
+  def _check(self, manifest: dict[str, Any], abstract_train_state, abstract_rng, where) -> None:
+    """Raises ValueError unless the checkpoint fits the targets and the config."""
+    if self._config is not None:
+      if manifest.get("config") is None:
+        logging.warning("checkpoint %s holds no config; the config is not checked", where)
+      else:
+        check_config(manifest["config"], self._config, self._allowed_to_differ, self._defaults)
+    check_manifest(manifest[_STATE], abstract_train_state, where)
+    if manifest[_RNG] != _rng_manifest(abstract_rng):
+      saved, wanted = manifest[_RNG], _rng_manifest(abstract_rng)
+      raise ValueError(
+        f"checkpoint {where} holds a PRNG key {_describe(saved['dtype'], saved['shape'])}, but "
+        f"the target is {_describe(wanted['dtype'], wanted['shape'])} (a typed key restores into "
+        "a typed key of the same implementation, a raw key into a raw key)"
+      )
+
+  def _restore(self, iteration: int, abstract_train_state, abstract_rng):
+    args = ocp.args.Composite(
+      **{
+        _STATE: ocp.args.StandardRestore(abstract_of(abstract_train_state)),
+        _RNG: ocp.args.StandardRestore({_KEY_DATA: _abstract_key_data(abstract_rng)}),
+        _PROGRESS: ocp.args.JsonRestore(),
+      }
+    )
+    restored = self._manager.restore(iteration, args=args)
+    rng = restored[_RNG][_KEY_DATA]
+    if _is_typed_key(abstract_rng):
+      rng = jax.random.wrap_key_data(rng, dtype=abstract_rng.dtype)
+    progress = restored[_PROGRESS]
+    if not isinstance(progress, dict):
+      raise ValueError(f"the progress item is {type(progress).__name__}, not a JSON object")
+    return iteration, restored[_STATE], rng, dict(progress)
+
+  def _set_aside(self, iteration: int) -> str:
+    """Renames checkpoint `iteration` to `<iteration>.unreadable` (or `...unreadable-<n>`)."""
+    source = epath.Path(self._where(iteration))
+    target, n = epath.Path(str(source) + UNREADABLE_SUFFIX), 1
+    while target.exists():
+      n += 1
+      target = epath.Path(f"{source}{UNREADABLE_SUFFIX}-{n}")
+    source.rename(target)
+    return str(target)
+
   def restore_latest(
     self, abstract_train_state: PyTree, abstract_rng: Any
   ) -> Optional[tuple[int, PyTree, jax.Array, dict[str, Any]]]:
-    """Restores the newest checkpoint onto the shardings of the targets.
+    """Restores the newest readable checkpoint onto the shardings of the targets.
+
+    Checkpoints are tried newest first. One that cannot be read (a missing or truncated file:
+    orbax raises anything from KeyError to a bare Exception) is skipped with a warning naming
+    it and the error; unless `read_only`, the skipped ones are moved aside to
+    `<iteration>.unreadable` once an older checkpoint has restored, so that the run, resuming
+    from that one, can save their iterations again. A checkpoint that reads but does not fit
+    (another model or config) is an error, never skipped.
 
     Args:
       abstract_train_state: the tree to restore into: `jax.ShapeDtypeStruct`s with shardings
@@ -379,37 +508,48 @@ class Checkpointer:
       ValueError: the checkpoint's tree structure, a shape or dtype, or the PRNG key's kind
         differs from the target (naming the first differing leaf), or the saved config differs
         from this Checkpointer's `config` in keys not allowed to differ.
+      CheckpointsUnreadable: there are checkpoints but none can be read (nothing is moved).
     """
-    iteration = self.latest_iteration()
-    if iteration is None:
-      return None
-    where = self._where(iteration)
-    manifest = self._manifest(iteration)
-    if self._config is not None:
-      if manifest["config"] is None:
-        logging.warning("checkpoint %s holds no config; the config is not checked", where)
-      else:
-        check_config(manifest["config"], self._config, self._allowed_to_differ)
-    check_manifest(manifest[_STATE], abstract_train_state, where)
-    if manifest[_RNG] != _rng_manifest(abstract_rng):
-      saved, wanted = manifest[_RNG], _rng_manifest(abstract_rng)
-      raise ValueError(
-        f"checkpoint {where} holds a PRNG key {_describe(saved['dtype'], saved['shape'])}, but "
-        f"the target is {_describe(wanted['dtype'], wanted['shape'])} (a typed key restores into "
-        "a typed key of the same implementation, a raw key into a raw key)"
+    iterations = self.all_iterations()
+    unreadable: list[tuple[int, str]] = []
+    for iteration in reversed(iterations):
+      where = self._where(iteration)
+      error = None
+      with _unraisable_to_log():
+        try:
+          manifest = self._manifest(iteration)
+        except Exception as e:  # pylint: disable=broad-exception-caught
+          error = e
+        else:
+          self._check(manifest, abstract_train_state, abstract_rng, where)  # refuses, not skips
+          try:
+            restored = self._restore(iteration, abstract_train_state, abstract_rng)
+          except Exception as e:  # pylint: disable=broad-exception-caught
+            error = e
+      if error is None:
+        self._set_aside_all(unreadable, iteration)
+        return restored
+      unreadable.append((iteration, _one_line(error)))
+      logging.warning("checkpoint %s is unreadable, skipped: %s", where, unreadable[-1][1])
+    if unreadable:
+      raise CheckpointsUnreadable(
+        f"none of the {len(unreadable)} checkpoint(s) in {self.directory} can be read: "
+        + "; ".join(f"{i}: {message}" for i, message in unreadable)
       )
-    args = ocp.args.Composite(
-      **{
-        _STATE: ocp.args.StandardRestore(abstract_of(abstract_train_state)),
-        _RNG: ocp.args.StandardRestore({_KEY_DATA: _abstract_key_data(abstract_rng)}),
-        _PROGRESS: ocp.args.JsonRestore(),
-      }
-    )
-    restored = self._manager.restore(iteration, args=args)
-    rng = restored[_RNG][_KEY_DATA]
-    if _is_typed_key(abstract_rng):
-      rng = jax.random.wrap_key_data(rng, dtype=abstract_rng.dtype)
-    return iteration, restored[_STATE], rng, dict(restored[_PROGRESS])
+    return None
+
+  def _set_aside_all(self, unreadable: list[tuple[int, str]], restored: int) -> None:
+    if not unreadable or self.read_only:
+      return
+    for iteration, _ in unreadable:
+      target = self._set_aside(iteration)
+      logging.warning(
+        "moved the unreadable checkpoint %s to %s (restored iteration %d instead)",
+        self._where(iteration),
+        target,
+        restored,
+      )
+    self._manager.reload()
 
   def close(self) -> None:
     """Waits for pending work and releases the manager."""

@@ -10,6 +10,11 @@
 <metric>: float or null, ...}`; NaN and infinities are written as null, so every line is valid
 JSON. A resumed run first drops the lines of the iterations it will write again, so the log never
 holds an iteration twice. In a multi-host run only one process should write.
+
+A line that is not a JSON record (torn by a crash or a full disk, wherever it is in the file) is
+skipped with a warning when read (`read_records`, `read_metrics`), and dropped when the file is
+rewritten (`drop_records_from`, which the trainer also applies to `trajectories.jsonl`); the
+records around it are kept.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
+from absl import logging
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -33,39 +39,52 @@ _RESERVED = ("iteration", "time")
 
 
 def _parse_lines(text: str, path: str) -> list[tuple[str, dict[str, Any]]]:
-  """[(line, record)] of a metrics.jsonl text.
+  """[(line, record)] of a JSON-lines text whose records are objects with an int "iteration".
 
-  A last line without its newline that does not parse (a write cut short by a crash) is
-  dropped; any other line that does not parse is an error.
+  Any other line (one cut short by a crash, garbage), wherever it is, is skipped; one warning
+  names the file, the lines and their count. Blank lines are skipped silently.
   """
-  lines = text.split("\n")
-  complete = text.endswith("\n")
-  if complete:
-    lines.pop()
-  out = []
-  for number, line in enumerate(lines, start=1):
+  out, torn = [], []
+  for number, line in enumerate(text.split("\n"), start=1):
     if not line.strip():
       continue
     try:
       record = json.loads(line)
-    except json.JSONDecodeError as e:
-      if number == len(lines) and not complete:
-        break
-      raise ValueError(f"{path}:{number} is not a JSON line: {e}") from e
-    if not isinstance(record, dict) or "iteration" not in record:
-      raise ValueError(f"{path}:{number} is not a metrics record (an object with 'iteration')")
+    except ValueError:  # JSONDecodeError, or bytes that are not text
+      record = None
+    iteration = record.get("iteration") if isinstance(record, dict) else None
+    if not isinstance(iteration, int) or isinstance(iteration, bool):
+      torn.append(number)
+      continue
     out.append((line, record))
+  if torn:
+    shown = ", ".join(str(n) for n in torn[:5]) + (", ..." if len(torn) > 5 else "")
+    logging.warning(
+      "%s: skipped %d line(s) that are not JSON records with an 'iteration' (line %s; a write "
+      "cut short?)",
+      path,
+      len(torn),
+      shown,
+    )
   return out
+
+
+def read_records(path: str) -> list[dict[str, Any]]:
+  """The records of a JSON-lines log (metrics.jsonl, trajectories.jsonl), in file order.
+
+  Lines that are not JSON objects with an int "iteration" are skipped with a warning.
+  """
+  with open(path, encoding="utf-8", errors="replace") as f:
+    return [record for _, record in _parse_lines(f.read(), path)]
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
   """The records of a metrics.jsonl file, in file order (NaN/inf values read back as None).
 
   Args:
-    path: the file written by `MetricsLog`.
+    path: the file written by `MetricsLog`. Torn lines are skipped with a warning.
   """
-  with open(path, encoding="utf-8") as f:
-    return [record for _, record in _parse_lines(f.read(), path)]
+  return read_records(path)
 
 
 def _atomic_write(path: str, text: str) -> None:
@@ -83,15 +102,26 @@ def _atomic_write(path: str, text: str) -> None:
     raise
 
 
-def _prepare(path: str, resume_from: Optional[int]) -> None:
-  """Drops the records with iteration >= resume_from (and a cut-short last line), atomically."""
+def drop_records_from(path: str, first: Optional[int]) -> None:
+  """Rewrites a JSON-lines log without its records of iterations >= `first` and its torn lines.
+
+  Atomic (a temporary file and os.replace), and only when something is dropped; a missing file
+  is left missing. Also called with `first=None` before appending, so that no record is written
+  after a line without its newline.
+
+  Args:
+    path: metrics.jsonl or trajectories.jsonl.
+    first: the first iteration to drop (a resumed run's first iteration), or None to drop only
+      the torn lines.
+  """
   if not os.path.exists(path):
     return
-  with open(path, encoding="utf-8") as f:
+  with open(path, encoding="utf-8", errors="replace") as f:
     text = f.read()
-  entries = _parse_lines(text, path)
   kept = [
-    line for line, record in entries if resume_from is None or record["iteration"] < resume_from
+    line
+    for line, record in _parse_lines(text, path)
+    if first is None or record["iteration"] < first
   ]
   new_text = "".join(line + "\n" for line in kept)
   if new_text != text:
@@ -132,7 +162,7 @@ class MetricsLog:
   def __init__(self, workdir: str, *, tensorboard: bool = True, resume_from: Optional[int] = None):
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, METRICS_FILE)
-    _prepare(self.path, resume_from)
+    drop_records_from(self.path, resume_from)
     self._file = open(self.path, "a", encoding="utf-8")
     self._writer = None
     if tensorboard:

@@ -24,6 +24,7 @@ the same iterations as one that never stopped. Evaluation draws its keys from
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -53,6 +54,8 @@ from seeupo_jax.training import checkpoints
 from seeupo_jax.training import evaluation
 from seeupo_jax.training import metrics_log
 from seeupo_jax.training import oracle
+from seeupo_jax.training import validation
+from seeupo_jax.training import workdir as workdir_lib
 from seeupo_jax.training.tasks import TaskStream
 
 POLICIES = ("model", "oracle")
@@ -73,8 +76,24 @@ CURVE_KEYS = (
 )
 
 
-class ConfigError(ValueError):
-  """A bad config value; the message names the key and the allowed values."""
+ConfigError = validation.ConfigError
+WorkdirError = workdir_lib.WorkdirError
+
+
+@contextlib.contextmanager
+def _config_values(section: str):
+  """Turns the ValueError or TypeError that a config dataclass (or the mesh, the environment's
+  options, ...) raises for a bad value of config section `section` into a ConfigError.
+
+  Only around the calls that validate the config: elsewhere such an error is a bug and keeps
+  its traceback.
+  """
+  try:
+    yield
+  except (ConfigError, envs.EnvironmentUnavailable):
+    raise
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"{section}: {e}") from e
 
 
 @dataclasses.dataclass
@@ -115,8 +134,12 @@ def build_model(config: ml_collections.ConfigDict):
   if m.path:
     if not os.path.isdir(m.path):
       raise ConfigError(f"model.path={m.path!r} is not a local checkpoint directory")
-    model_config = hf_checkpoint.load_config(m.path, **overrides)
-    tokenizer = tokenizer_lib.load_tokenizer(m.path)
+    try:  # the headers of every safetensors file too: a truncated file fails here, not later
+      model_config = hf_checkpoint.load_config(m.path, **overrides)
+      hf_checkpoint.check_files(m.path)
+      tokenizer = tokenizer_lib.load_tokenizer(m.path)
+    except (OSError, ValueError) as e:
+      raise ConfigError(f"model.path={m.path!r}: {e}") from e
 
     def load(mesh, key):
       del key
@@ -181,46 +204,41 @@ def build_rollout_config(r: ml_collections.ConfigDict) -> rollout.RolloutConfig:
 def build(config: ml_collections.ConfigDict) -> Program:
   """Builds the program's parts from a training config (validating it).
 
+  Only the config's validation raises ConfigError; any other exception is a bug and propagates
+  as it is.
+
   Raises:
     ConfigError: a bad value (the message names the key and what is allowed).
     envs.EnvironmentUnavailable: the config's environment cannot run here.
   """
-  try:
-    return _build(config)
-  except (ConfigError, envs.EnvironmentUnavailable):
-    raise
-  except (ValueError, TypeError) as e:
-    raise ConfigError(str(e)) from e
-
-
-def _build(config: ml_collections.ConfigDict) -> Program:
+  validation.check(config)
   env_name = config.env.name
-  spec = envs.make_spec(env_name, env_options(config.env))
+  with _config_values("env"):
+    spec = envs.make_spec(env_name, env_options(config.env))
   r = config.rollout
   model_config, tokenizer, load_params = build_model(config)
-  chat = chat_tokens.ChatTokens(tokenizer, config.chat_template_kwargs.to_dict())
-  mesh = sharding_lib.make_mesh(**config.mesh.to_dict())
+  with _config_values("chat_template_kwargs"):
+    chat = chat_tokens.ChatTokens(tokenizer, config.chat_template_kwargs.to_dict())
+  with _config_values("mesh"):
+    mesh = sharding_lib.make_mesh(**config.mesh.to_dict())
 
   stops = tuple(sorted(set(tokenizer_lib.stop_token_ids(tokenizer)) | {chat.end_of_turn_id}))
   pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-  sampling_config = sampling.SamplingConfig(
-    max_new_tokens=r.max_reply_tokens,
-    temperature=r.temperature,
-    top_k=r.top_k,
-    top_p=r.top_p,
-    stop_token_ids=stops,
-    pad_id=pad_id,
-  )
-  eval_sampling = dataclasses.replace(sampling_config, greedy=bool(config.eval.greedy))
-  rollout_config = build_rollout_config(r)
-  if config.eval.tasks_per_call < 1 or config.eval.k < 1 or config.eval.num_tasks < 1:
-    raise ConfigError(
-      "eval.tasks_per_call, eval.k and eval.num_tasks must be >= 1, got "
-      f"{config.eval.tasks_per_call}, {config.eval.k}, {config.eval.num_tasks}"
+  with _config_values("rollout"):
+    sampling_config = sampling.SamplingConfig(
+      max_new_tokens=r.max_reply_tokens,
+      temperature=r.temperature,
+      top_k=r.top_k,
+      top_p=r.top_p,
+      stop_token_ids=stops,
+      pad_id=pad_id,
     )
+    rollout_config = build_rollout_config(r)
+  eval_sampling = dataclasses.replace(sampling_config, greedy=bool(config.eval.greedy))
   learner_fields = config.learner.to_dict()
   learner_fields["custom_order"] = tuple(learner_fields.get("custom_order") or ())
-  learner_config = learner.LearnerConfig(num_turns=r.max_turns, **learner_fields)
+  with _config_values("learner"):
+    learner_config = learner.LearnerConfig(num_turns=r.max_turns, **learner_fields)
   optimizer = build_optimizer(config.optimizer)
   logprob_fn = learner.qwen_logprob_fn(model_config, temperature=r.temperature)
   ppo = learner_config.spec.critic
@@ -235,32 +253,28 @@ def _build(config: ml_collections.ConfigDict) -> Program:
 
   # Worker processes start last, once everything else in the config has checked out.
   # The sampler decodes with its own copy of the params (tensor-parallel, compute dtype).
-  tensor = config.rollout.decode_tensor_parallel
-  if not isinstance(tensor, int) or tensor < 0:
-    raise ConfigError(
-      f"rollout.decode_tensor_parallel must be an int >= 0 (0: one data slice), got {tensor!r}"
+  with _config_values("rollout.decode_tensor_parallel"):
+    decode = decode_layout.DecodeLayout(
+      model_config, mesh, tensor=config.rollout.decode_tensor_parallel or None
     )
-  decode = decode_layout.DecodeLayout(model_config, mesh, tensor=tensor or None)
   cache_sharding = decode.cache_sharding
   env_workers = rollout.make_workers(spec, rollout_config.worker_config(spec.isolation))
-  roller = rollout.Roller(
-    spec,
-    chat,
-    decode.model_config,
-    sampling_config,
-    rollout_config,
-    cache_sharding=cache_sharding,
-    workers=env_workers,
-  )
-  eval_roller = rollout.Roller(
-    spec,
-    chat,
-    decode.model_config,
-    eval_sampling,
-    rollout_config,
-    cache_sharding=cache_sharding,
-    workers=env_workers,
-  )
+  try:
+    roller, eval_roller = (
+      rollout.Roller(
+        spec,
+        chat,
+        decode.model_config,
+        sampler_config,
+        rollout_config,
+        cache_sharding=cache_sharding,
+        workers=env_workers,
+      )
+      for sampler_config in (sampling_config, eval_sampling)
+    )
+  except BaseException:
+    env_workers.shutdown()
+    raise
 
   def init_state():
     key = jax.random.key(config.seed)
@@ -381,15 +395,28 @@ def _eval_key(seed: int, iteration: int) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed + 1_000_003), iteration)
 
 
-def main(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Runs what the config asks: the oracle check, an evaluation, or training."""
+def main(config: ml_collections.ConfigDict, workdir: str, defaults=None) -> dict:
+  """Runs what the config asks: the oracle check, an evaluation, or training.
+
+  Args:
+    config: the training config, overrides applied.
+    workdir: the run's directory.
+    defaults: the config before overrides (the config file's `get_config()`): a key that a
+      resumed checkpoint lacks (added since) may be at its default (`checkpoints.check_config`).
+
+  Raises:
+    ConfigError: a bad config value, before anything is built.
+    WorkdirError: the workdir is a file, locked by a live run, or holds only unreadable
+      checkpoints.
+  """
+  validation.check(config)
   if config.policy not in POLICIES:
     raise ConfigError(f"policy={config.policy!r}; allowed: {list(POLICIES)}")
   if config.policy == "oracle":
     return check_oracle(config, workdir)
   if config.eval_only:
-    return evaluate_only(config, workdir)
-  return train(config, workdir)
+    return evaluate_only(config, workdir, defaults)
+  return train(config, workdir, defaults)
 
 
 def check_oracle(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -410,6 +437,7 @@ def check_oracle(config: ml_collections.ConfigDict, workdir: str) -> dict:
     worker_config = build_rollout_config(r).worker_config(spec.isolation)
   except ValueError as e:
     raise ConfigError(str(e)) from e
+  workdir_lib.prepare(workdir)
   env_workers = rollout.make_workers(spec, worker_config)
   try:
     report = oracle.check(spec, r.max_turns, r.env_workers, workdir, env_workers)
@@ -421,41 +449,57 @@ def check_oracle(config: ml_collections.ConfigDict, workdir: str) -> dict:
   return report
 
 
-def _checkpointer(config: ml_collections.ConfigDict, workdir: str) -> checkpoints.Checkpointer:
-  """The workdir's checkpoints, checked against `config` (keys in ALLOWED_TO_DIFFER may change)."""
+def _checkpointer(
+  config: ml_collections.ConfigDict, workdir: str, defaults=None, *, read_only: bool = False
+) -> checkpoints.Checkpointer:
+  """The workdir's checkpoints, checked against `config` (keys in ALLOWED_TO_DIFFER may change;
+  keys the checkpoint lacks may be at their `defaults`)."""
   return checkpoints.Checkpointer(
     os.path.join(workdir, "checkpoints"),
     keep=config.checkpoint.keep,
     every=config.checkpoint.every,
     config=json.loads(config.to_json_best_effort()),
     allowed_to_differ=ALLOWED_TO_DIFFER,
+    defaults=None if defaults is None else json.loads(defaults.to_json_best_effort()),
+    read_only=read_only,
   )
 
 
-def evaluate_only(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+def _restore(checkpointer: checkpoints.Checkpointer, workdir: str, what: str, state, rng):
+  """`checkpointer.restore_latest`, its refusals as ConfigError (a changed config or model)
+  or WorkdirError (no checkpoint can be read)."""
+  try:
+    return checkpointer.restore_latest(checkpoints.abstract_of(state), checkpoints.abstract_of(rng))
+  except ValueError as e:  # a changed config or model: say so instead of training something else
+    raise ConfigError(f"cannot {what} {workdir}: {e}") from e
+  except checkpoints.CheckpointsUnreadable as e:  # never a silent restart from iteration 0
+    raise WorkdirError(
+      f"cannot {what} {workdir}: {e}. Nothing was changed; to start from iteration 0 instead, "
+      f"move {checkpointer.directory} away"
+    ) from e
+
+
+def evaluate_only(config: ml_collections.ConfigDict, workdir: str, defaults=None) -> dict:
   """Evaluates the workdir's latest checkpoint (or, without one, the initial weights).
 
   avg@k / pass@k on `eval.num_tasks` eval tasks (k samples, or 1 greedy), printed and written to
-  `eval_<iteration>.json` in the workdir.
+  `eval_<iteration>.json` in the workdir. Takes no lock and changes no checkpoint, so it can run
+  beside the workdir's trainer.
   """
-  os.makedirs(workdir, exist_ok=True)
+  workdir_lib.prepare(workdir)
   program = build(config)
   try:
-    return _evaluate_only(config, workdir, program)
+    return _evaluate_only(config, workdir, program, defaults)
   finally:
     program.close()
 
 
-def _evaluate_only(config, workdir: str, program: Program) -> dict[str, float]:
+def _evaluate_only(config, workdir: str, program: Program, defaults=None) -> dict[str, float]:
   state = program.init_state()
-  checkpointer = _checkpointer(config, workdir)
+  checkpointer = _checkpointer(config, workdir, defaults, read_only=True)
   iteration = 0
   try:
-    restored = checkpointer.restore_latest(
-      checkpoints.abstract_of(state), checkpoints.abstract_of(jax.random.key(0))
-    )
-  except ValueError as e:
-    raise ConfigError(f"cannot evaluate {workdir}: {e}") from e
+    restored = _restore(checkpointer, workdir, "evaluate", state, jax.random.key(0))
   finally:
     checkpointer.close()
   if restored is not None:
@@ -473,43 +517,47 @@ def _evaluate_only(config, workdir: str, program: Program) -> dict[str, float]:
   return scores
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+def train(config: ml_collections.ConfigDict, workdir: str, defaults=None) -> dict[str, float]:
   """Trains (or resumes) as `config` says, writing logs and checkpoints to `workdir`.
 
-  Returns the last iteration's metrics and the final evaluation.
+  The workdir is locked for the run (`workdir.lock`, by process 0): a second trainer on it is
+  refused before it builds anything. Returns the last iteration's metrics and the final
+  evaluation.
   """
-  os.makedirs(workdir, exist_ok=True)
-  program = build(config)
-  try:
-    return _train(config, workdir, program)
-  finally:
-    program.close()
+  validation.check(config)
+  workdir_lib.prepare(workdir)
+  held = workdir_lib.lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
+  with held:
+    program = build(config)
+    try:
+      return _train(config, workdir, program, defaults)
+    finally:
+      program.close()
 
 
-def _train(config, workdir: str, program: Program) -> dict[str, float]:
+def _train(config, workdir: str, program: Program, defaults=None) -> dict[str, float]:
   k = config.eval.k
   train_ids = program.spec.task_ids("train")
   eval_ids = list(program.spec.task_ids("eval"))[: config.eval.num_tasks]
 
-  checkpointer = _checkpointer(config, workdir)
+  checkpointer = _checkpointer(config, workdir, defaults)
   state = program.init_state()
   rng = jax.random.key(config.seed)
   iteration, position = 0, 0
   try:
-    restored = checkpointer.restore_latest(
-      checkpoints.abstract_of(state), checkpoints.abstract_of(rng)
-    )
-  except ValueError as e:  # a changed config or model: say so instead of training something else
+    restored = _restore(checkpointer, workdir, "resume", state, rng)
+  except BaseException:
     checkpointer.close()
-    raise ConfigError(f"cannot resume {workdir}: {e}") from e
+    raise
   if restored is not None:
     iteration, state, rng, progress = restored
     position = int(progress["task_position"])
     logging.info("resumed from iteration %d (task position %d)", iteration, position)
     _print(f"resuming {workdir} from iteration {iteration}")
   stream = TaskStream(train_ids, config.seed, position)
-  # Lines of iterations after the checkpoint (a crash between logging and saving) are dropped.
-  _drop_lines_after(os.path.join(workdir, "trajectories.jsonl"), iteration)
+  # Lines of iterations after the checkpoint (a crash between logging and saving) are dropped,
+  # and torn lines wherever they are.
+  metrics_log.drop_records_from(os.path.join(workdir, "trajectories.jsonl"), iteration + 1)
   log = metrics_log.MetricsLog(
     workdir, tensorboard=config.log.tensorboard, resume_from=iteration + 1
   )
@@ -624,25 +672,6 @@ def _evaluate(program: Program, state, eval_ids, config, iteration: int, k: int)
   row = {"iteration": iteration, **{n: v for n, v in scores.items()}}
   _print(metrics_log.format_table([row], list(row)))
   return out
-
-
-def _drop_lines_after(path: str, iteration: int) -> None:
-  """Rewrites a JSONL log without the records of iterations > `iteration` (atomically)."""
-  if not os.path.exists(path):
-    return
-  with open(path, encoding="utf-8") as f:
-    lines = f.readlines()
-  kept = []
-  for line in lines:
-    try:
-      if json.loads(line)["iteration"] <= iteration:
-        kept.append(line)
-    except (ValueError, KeyError):  # a line cut short by a crash
-      continue
-  if len(kept) != len(lines):
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-      f.writelines(kept)
-    os.replace(path + ".tmp", path)
 
 
 def _log_trajectories(workdir, iteration, trajectories, program, count: int) -> None:
