@@ -6,8 +6,9 @@ See "SeeUPO: Sequence-Level Agentic-RL with Convergence Guarantees"
 Everything here is a pure function of arrays: no model, no config object, no
 global state. Use the functions from any JAX codebase; they are `jax.jit`,
 `jax.vmap` and `jax.grad` friendly. Options that change the computation's
-structure (aggregation mode, KL kind, `num_groups`) are keyword arguments that
-must be static under `jax.jit` (bind them with `functools.partial`).
+structure (aggregation mode and its `norm_length`, KL kind, `num_groups`) are
+keyword arguments that must be static under `jax.jit` (bind them with
+`functools.partial`).
 
 Conventions:
   * `B` rows (trajectories, or turn-samples of one turn), `L` tokens per row.
@@ -102,28 +103,53 @@ def _row_has_tokens(mask: Array) -> Array:
 # ---------------------------------------------------------------------------
 
 
-def aggregate(values: Array, mask: Array, mode: Aggregation = "seq-mean-token-mean") -> Array:
+def _check_norm_length(mode: str, norm_length) -> None:
+  if norm_length is None:
+    return
+  if not isinstance(norm_length, int) or isinstance(norm_length, bool) or norm_length < 1:
+    raise ValueError(f"norm_length must be None or an int >= 1, got {norm_length!r}")
+  if mode != "seq-mean-token-sum-norm":
+    raise ValueError(
+      f"norm_length={norm_length} applies to agg='seq-mean-token-sum-norm' only, got agg={mode!r}"
+    )
+
+
+def aggregate(
+  values: Array,
+  mask: Array,
+  mode: Aggregation = "seq-mean-token-mean",
+  *,
+  norm_length: int | None = None,
+) -> Array:
   """Reduces per-token values to a scalar over the masked tokens.
 
   With n_i = Σ_t m_it the token count of row i and R = {i : n_i > 0}:
     "token-mean":          Σ_it m_it v_it / Σ_it m_it
     "seq-mean-token-mean": (1/|R|) Σ_{i∈R} (Σ_t m_it v_it / n_i)
     "seq-mean-token-sum":  (1/|R|) Σ_{i∈R} Σ_t m_it v_it
-    "seq-mean-token-sum-norm": (1/|R|) Σ_{i∈R} Σ_t m_it v_it / L, L = values.shape[-1]
-                           (Dr. GRPO: no per-sequence length normalisation; the constant
-                           L, the padded length, stands for the generation budget)
+    "seq-mean-token-sum-norm": (1/|R|) Σ_{i∈R} Σ_t m_it v_it / C,
+                           C = norm_length, or L = values.shape[-1] when it is None
+                           (Dr. GRPO: no per-sequence length normalisation; the paper divides
+                           by a constant generation budget, which `norm_length` is; L, the
+                           padded length, stands for it only while the shape is fixed)
   Rows without tokens never count in a denominator; with no tokens at all the
   result is 0.
+
+  See "Understanding R1-Zero-Like Training: A Critical Perspective"
+  (https://arxiv.org/abs/2503.20783) for "seq-mean-token-sum-norm".
 
   Args:
     values: [B, L] float, per-token values (any float dtype; computed in f32).
     mask: [B, L] float, 1.0 where the token counts.
     mode: one of `AGGREGATION_MODES` (static).
+    norm_length: static int C >= 1, the constant "seq-mean-token-sum-norm" divides each row's
+      sum by; None: L. Refused with any other mode.
 
   Returns:
     float32 scalar.
   """
   _check_choice("agg", mode, AGGREGATION_MODES)
+  _check_norm_length(mode, norm_length)
   _check_tokens({"values": values, "mask": mask})
   values, mask = _f32(values), _f32(mask)
   if mode == "token-mean":
@@ -133,7 +159,7 @@ def aggregate(values: Array, mask: Array, mode: Aggregation = "seq-mean-token-me
   if mode == "seq-mean-token-mean":
     row_values = row_sums / jnp.maximum(tokens_per_row, 1.0)
   elif mode == "seq-mean-token-sum-norm":
-    row_values = row_sums / values.shape[-1]
+    row_values = row_sums / (values.shape[-1] if norm_length is None else norm_length)
   else:
     row_values = row_sums
   rows = (tokens_per_row > 0).astype(jnp.float32)
@@ -396,12 +422,13 @@ def token_clip_loss(
   clip_high: float = 0.2,
   dual_clip: float | None = None,
   agg: Aggregation = "seq-mean-token-mean",
+  norm_length: int | None = None,
 ) -> tuple[Array, Metrics]:
   """PPO/GRPO token-level clipped surrogate (the proximal update, PPU).
 
     ρ_it = exp(logπ_new(y_it) − logπ_old(y_it))
     ℓ_it = max(−A_it ρ_it, −A_it clip(ρ_it, 1 − ε_low, 1 + ε_high))
-    loss = aggregate(ℓ, mask, agg)
+    loss = aggregate(ℓ, mask, agg, norm_length=norm_length)
   With `dual_clip = c > 1`, ℓ_it = min(ℓ_it, −c A_it) where A_it < 0.
 
   Args:
@@ -412,6 +439,7 @@ def token_clip_loss(
     clip_low, clip_high: ε_low, ε_high.
     dual_clip: optional c > 1.
     agg: aggregation mode (static).
+    norm_length: static, agg="seq-mean-token-sum-norm"'s constant (`aggregate`; None: L).
 
   Returns:
     (scalar float32 loss, metrics) with metrics "clip_fraction" (share of
@@ -423,7 +451,7 @@ def token_clip_loss(
   log_ratio = _f32(logp) - jax.lax.stop_gradient(_f32(old_logp))
   ratio = _safe_exp(log_ratio)
   per_token, is_clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip)
-  loss = aggregate(per_token, mask, agg)
+  loss = aggregate(per_token, mask, agg, norm_length=norm_length)
   log_ratio = jax.lax.stop_gradient(log_ratio)
   return loss, {
     "clip_fraction": _masked_token_mean(is_clipped.astype(jnp.float32), mask),
@@ -442,13 +470,14 @@ def sequence_clip_loss(
   clip_high: float = 0.2,
   dual_clip: float | None = None,
   agg: Aggregation = "seq-mean-token-mean",
+  norm_length: int | None = None,
 ) -> tuple[Array, Metrics]:
   """GSPO sequence-level clipped surrogate (SeeUPO's per-turn objective).
 
     s_i  = exp((1/n_i) Σ_t m_it (logπ_new(y_it) − logπ_old(y_it)))
     s_it = sg(s_i) · π_new(y_it) / sg(π_new(y_it))     (value s_i; ∂s_it/∂logπ_it = s_i)
     ℓ_it = max(−A_it s_it, −A_it clip(s_it, 1 − ε_low, 1 + ε_high))
-    loss = aggregate(ℓ, mask, agg)
+    loss = aggregate(ℓ, mask, agg, norm_length=norm_length)
   With [B] advantages and the default "seq-mean-token-mean" this is exactly
   GSPO's  −(1/|R|) Σ_i min(s_i A_i, clip(s_i) A_i), whose gradient reaches each
   token as ∂s_i/∂logπ_it = s_i / n_i. With [B, L] advantages it is GSPO-token.
@@ -462,6 +491,7 @@ def sequence_clip_loss(
     clip_low, clip_high: ε_low, ε_high for s_i.
     dual_clip: optional c > 1 (applied to rows with negative advantage).
     agg: aggregation mode (static).
+    norm_length: static, agg="seq-mean-token-sum-norm"'s constant (`aggregate`; None: L).
 
   Returns:
     (scalar float32 loss, metrics) with "clip_fraction" (share of rows with
@@ -478,7 +508,7 @@ def sequence_clip_loss(
   per_token, is_clipped = _clipped_surrogate(
     token_ratio, advantages, clip_low, clip_high, dual_clip
   )
-  loss = aggregate(per_token, mask, agg)
+  loss = aggregate(per_token, mask, agg, norm_length=norm_length)
   rows = _row_has_tokens(mask).astype(jnp.float32)
   # A sequence is clipped if its (value-identical) token ratios are on the
   # clipped branch for any of its advantages.
@@ -497,14 +527,16 @@ def reinforce_loss(
   mask: Array,
   *,
   agg: Aggregation = "seq-mean-token-mean",
+  norm_length: int | None = None,
 ) -> tuple[Array, Metrics]:
-  """REINFORCE (policy-gradient) loss: aggregate(−A_it logπ(y_it), mask, agg).
+  """REINFORCE (policy-gradient) loss: aggregate(−A_it logπ(y_it), mask, agg, norm_length).
 
   Args:
     logp: [B, L] float.
     advantages: [B] or [B, L] float (constant).
     mask: [B, L] float.
     agg: aggregation mode (static).
+    norm_length: static, agg="seq-mean-token-sum-norm"'s constant (`aggregate`; None: L).
 
   Returns:
     (scalar float32 loss, metrics) with "logp_mean" (token-mean log-prob) and,
@@ -514,7 +546,7 @@ def reinforce_loss(
   _check_tokens({"logp": logp, "mask": mask})
   logp, mask = _f32(logp), _f32(mask)
   advantages = jax.lax.stop_gradient(_broadcast_advantages(advantages, mask))
-  loss = aggregate(-advantages * logp, mask, agg)
+  loss = aggregate(-advantages * logp, mask, agg, norm_length=norm_length)
   return loss, {
     "clip_fraction": jnp.zeros((), jnp.float32),
     "ratio_mean": jnp.ones((), jnp.float32),
@@ -531,6 +563,7 @@ def value_loss(
   *,
   clip: float | None = None,
   agg: Aggregation = "token-mean",
+  norm_length: int | None = None,
 ) -> tuple[Array, Metrics]:
   """Critic regression loss for the PPO + GAE baseline.
 
@@ -544,6 +577,7 @@ def value_loss(
     mask: [B, L] float.
     clip: optional c > 0.
     agg: aggregation mode (static), default token-mean.
+    norm_length: static, agg="seq-mean-token-sum-norm"'s constant (`aggregate`; None: L).
 
   Returns:
     (scalar float32 loss, metrics) with "value_clip_fraction" and
@@ -562,7 +596,7 @@ def value_loss(
     squared_clipped = (values_clipped - returns) ** 2
     per_token = 0.5 * jnp.maximum(squared, squared_clipped)
     clipped = squared_clipped > squared
-  loss = aggregate(per_token, mask, agg)
+  loss = aggregate(per_token, mask, agg, norm_length=norm_length)
   return loss, {
     "value_clip_fraction": _masked_token_mean(clipped.astype(jnp.float32), mask),
     "value_error": _masked_token_mean(jax.lax.stop_gradient(jnp.abs(values - returns)), mask),
@@ -576,7 +610,7 @@ def kl_penalty(logp: Array, ref_logp: Array, kind: str = "low_var_kl") -> Array:
     "k2": ½ (logπ − logπ_ref)²
     "k3" / "low_var_kl": d = clip(logπ_ref − logπ, −20, 20);
                          clip(exp(d) − d − 1, −10, 10)
-  Aggregate with `aggregate(kl_penalty(...), mask, agg)`.
+  Aggregate with `aggregate(kl_penalty(...), mask, agg, norm_length=...)`.
 
   Args:
     logp: [B, L] float.

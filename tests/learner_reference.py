@@ -10,7 +10,8 @@ PPO's critic is a value table v[L]: V[i, j] = v[j] on valid tokens, 0 elsewhere.
 
 Aggregation: loss = sum_it w_it l_it with n_i = sum_t m_it, R = {i : n_i > 0} and
   seq-mean-token-mean (the default):  w_it = m_it / (n_i |R|)
-  seq-mean-token-sum-norm (Dr. GRPO): w_it = m_it / (L |R|), L the padded length
+  seq-mean-token-sum-norm (Dr. GRPO): w_it = m_it / (C |R|), C = norm_length, or the padded
+                                      length L when it is None
   token-mean (DAPO):                  w_it = m_it / sum_jt m_jt
 
 Per-token gradients g = d loss / d logp (the clip's max picks the unclipped branch at a tie, where
@@ -89,7 +90,7 @@ def table_grad(table, tokens, g):
 # Losses with their hand-derived gradients.
 
 
-def aggregation_weights(mask, agg="seq-mean-token-mean"):
+def aggregation_weights(mask, agg="seq-mean-token-mean", norm_length=None):
   """w[N, L] with loss = sum w * l (see the module doc)."""
   mask = np.asarray(mask, np.float64)
   if agg == "token-mean":
@@ -99,7 +100,8 @@ def aggregation_weights(mask, agg="seq-mean-token-mean"):
   w = np.zeros(mask.shape)
   for i in range(mask.shape[0]):
     if counts[i] > 0:
-      per_row = {"seq-mean-token-mean": counts[i], "seq-mean-token-sum-norm": mask.shape[1]}[agg]
+      constant = mask.shape[1] if norm_length is None else norm_length
+      per_row = {"seq-mean-token-mean": counts[i], "seq-mean-token-sum-norm": constant}[agg]
       w[i] = mask[i] / per_row / rows
   return w
 
@@ -130,11 +132,11 @@ def policy_loss_and_grad(kind, logp, old_logp, ref_logp, adv, mask, hp, margin):
     logp, old_logp, ref_logp: float64[N, L] (ref_logp None: no KL).
     adv: float64[N, L] per-token advantages.
     mask: float64[N, L].
-    hp: dict with clip_low, clip_high, kl_coef, agg.
+    hp: dict with clip_low, clip_high, kl_coef, agg and optionally norm_length.
     margin: a `_Margin`.
   """
   low, high = 1.0 - hp["clip_low"], 1.0 + hp["clip_high"]
-  w = aggregation_weights(mask, hp["agg"])
+  w = aggregation_weights(mask, hp["agg"], hp.get("norm_length"))
   n, length = mask.shape
   g = np.zeros((n, length))
   pg = 0.0
@@ -287,6 +289,7 @@ def reference_update(
   gae_lambda=1.0,
   value_clip=0.5,
   agg="seq-mean-token-mean",
+  norm_length=None,
   dynamic_sampling=False,
   overlong_max_tokens=None,
   overlong_cache_tokens=0,
@@ -326,7 +329,9 @@ def reference_update(
       if len({float(rewards[i]) for i in members}) == 1:
         dropped_groups += 1
         row_valid[members] = False
-  hp = dict(clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, agg=agg)
+  hp = dict(
+    clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, agg=agg, norm_length=norm_length
+  )
   margin = _Margin()
   generated = np.zeros((n, length))
   for i in range(n):

@@ -11,7 +11,8 @@ import numpy as np
 LIMIT = 20.0
 
 
-def aggregate(values, mask, mode):
+def aggregate(values, mask, mode, norm_length=None):
+  """norm_length: the constant C of seq-mean-token-sum-norm (None: the padded length L)."""
   values, mask = np.asarray(values, np.float64), np.asarray(mask, np.float64)
   if mode == "token-mean":
     total = mask.sum()
@@ -25,7 +26,7 @@ def aggregate(values, mask, mode):
     if mode == "seq-mean-token-mean":
       s /= n
     elif mode == "seq-mean-token-sum-norm":
-      s /= values.shape[-1]
+      s /= values.shape[-1] if norm_length is None else norm_length
     row_values.append(s)
   return float(np.mean(row_values)) if row_values else 0.0
 
@@ -110,7 +111,15 @@ def _surrogate(ratio, adv, lo, hi, dual_clip):
 
 
 def token_clip_loss(
-  logp, old_logp, adv, mask, lo=0.2, hi=0.2, dual_clip=None, agg="seq-mean-token-mean"
+  logp,
+  old_logp,
+  adv,
+  mask,
+  lo=0.2,
+  hi=0.2,
+  dual_clip=None,
+  agg="seq-mean-token-mean",
+  norm_length=None,
 ):
   logp, old_logp, mask = (np.asarray(a, np.float64) for a in (logp, old_logp, mask))
   adv = np.asarray(adv, np.float64)
@@ -121,7 +130,7 @@ def token_clip_loss(
     for t in range(logp.shape[1]):
       ratio = math.exp(min(max(logp[b, t] - old_logp[b, t], -LIMIT), LIMIT))
       per_token[b, t] = _surrogate(ratio, adv[b, t], lo, hi, dual_clip)
-  return aggregate(per_token, mask, agg)
+  return aggregate(per_token, mask, agg, norm_length)
 
 
 def sequence_clip_loss(logp, old_logp, adv, mask, lo=0.2, hi=0.2, dual_clip=None):

@@ -552,6 +552,11 @@ def test_rows_must_divide_into_micro_batches():
     (dict(clip_low=1.5), "clip_low", "[0, 1)"),
     (dict(kl_kind="k9"), "kl_kind", "low_var_kl"),
     (dict(agg="sum"), "agg", "token-mean"),
+    (dict(algorithm="dr_grpo", norm_length=0), "norm_length", "an int >= 1"),
+    (dict(algorithm="dr_grpo", norm_length=64.0), "norm_length", "an int >= 1"),
+    (dict(algorithm="dr_grpo", norm_length=True), "norm_length", "an int >= 1"),
+    (dict(norm_length=64), "norm_length", "None unless agg='seq-mean-token-sum-norm'"),
+    (dict(algorithm="dr_grpo", agg="token-mean", norm_length=64), "norm_length", "None unless"),
   ],
 )
 def test_bad_config_is_refused(changes, field, allowed):
@@ -828,3 +833,60 @@ def test_custom_order_runs_the_order_it_names():
   assert (
     np.max(np.abs(results["reverse"].params["table"] - results["forward"].params["table"])) > 1e-4
   )
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. Dr. GRPO's constant (`norm_length`): the loss scale does not follow the batch's padding.
+
+
+def pad_columns(batch, length):
+  """The same trajectories right-padded to `length` columns (padding: token 0, invalid)."""
+  extra = length - np.asarray(batch.tokens).shape[1]
+  pad = lambda x, value: np.pad(np.asarray(x), ((0, 0), (0, extra)), constant_values=value)  # noqa: E731
+  return batch.replace(
+    tokens=pad(batch.tokens, 0),
+    token_valid=pad(batch.token_valid, False),
+    turn_ids=pad(batch.turn_ids, -1),
+    sample_logp=pad(batch.sample_logp, 0.0),
+  )
+
+
+@pytest.mark.parametrize(
+  "changes",
+  [{}, dict(epochs=2, minibatches=2, microbatches=2)],
+  ids=["fused", "2x2x2"],
+)
+def test_dr_grpo_norm_length_makes_the_update_independent_of_padding(changes):
+  """The same 8 trajectories (at most 14 tokens) padded to L = 16 and to L = 32, SGD (Adam would
+  hide a rescaled gradient): with norm_length = 20 the two updates are the same, with None
+  (divide by L) they differ, the L = 32 step being half the L = 16 one where no clip acts;
+  norm_length = 16 on the L = 16 batch is None's update bit for bit."""
+  vocab = 7
+  narrow = build_batch([2, 1, 2, 1, 2, 2, 1, 2], length=32, vocab=vocab, seed=24)
+  assert not np.asarray(narrow.token_valid)[:, 16:].any()
+  narrow = jax.tree.map(lambda x: x[:, :16] if np.ndim(x) == 2 else x, narrow)
+  wide = pad_columns(narrow, 32)
+  params = table_params((32, vocab), seed=24)  # the table covers both lengths
+  sgd = optax.sgd(2.0)
+  base = learner.LearnerConfig(algorithm="dr_grpo", num_turns=2, **changes)
+
+  def table_after(config, batch):
+    state, metrics = run_update(cached_update(shared_logprob_fn, sgd, config), sgd, params, batch)
+    return state.params["table"], metrics
+
+  fixed = base.replace(norm_length=20)
+  a, metrics_a = table_after(fixed, narrow)
+  b, metrics_b = table_after(fixed, wide)
+  moved = np.max(np.abs(a - np.asarray(params["table"])))
+  assert moved > 1e-3
+  np.testing.assert_allclose(b, a, rtol=0, atol=1e-7)
+  for name in ("loss", "pg_loss", "kl", "grad_norm"):
+    np.testing.assert_allclose(metrics_b[name], metrics_a[name], rtol=1e-6, atol=1e-9)
+
+  by_l_narrow, _ = table_after(base, narrow)
+  by_l_wide, _ = table_after(base, wide)
+  assert np.max(np.abs(by_l_wide - by_l_narrow)) > 0.1 * moved
+  if not changes:  # one step, no clip: the step scales as 1 / L exactly (up to rounding)
+    start = np.asarray(params["table"])
+    np.testing.assert_allclose(by_l_wide - start, (by_l_narrow - start) / 2, atol=1e-6)
+  assert_trees_equal(table_after(base.replace(norm_length=16), narrow)[0], by_l_narrow)

@@ -146,6 +146,7 @@ def run_reference(config: learner.LearnerConfig, batch_name: str):
     "gae_lambda",
     "value_clip",
     "agg",
+    "norm_length",
     "dynamic_sampling",
     "overlong_max_tokens",
     "overlong_cache_tokens",
@@ -163,7 +164,9 @@ def run_reference(config: learner.LearnerConfig, batch_name: str):
   )
 
 
-def assert_matches_reference(config, batch_name):
+def assert_matches_reference(
+  config, batch_name, metric_names=("loss", "pg_loss", "kl", "clip_fraction")
+):
   table, critic, metrics = run_learner(config, batch_name)
   want = run_reference(config, batch_name)
   # Clip decisions are discontinuous: no ratio may sit within float32 noise of a boundary.
@@ -179,7 +182,7 @@ def assert_matches_reference(config, batch_name):
     assert critic is None
   assert int(metrics["optimizer_steps"]) == want["metrics"]["optimizer_steps"]
   assert int(metrics["skipped_updates"]) == 0
-  for name in ("loss", "pg_loss", "kl", "clip_fraction"):
+  for name in metric_names:
     np.testing.assert_allclose(
       metrics[name], want["metrics"][name], rtol=1e-4, atol=1e-6, err_msg=name
     )
@@ -257,6 +260,51 @@ def test_dapo_dynamic_sampling_and_overlong_shaping_match_reference(batch_name):
   # Without dynamic sampling the equal group stays in the denominators: another update.
   kept, _, _ = run_learner(config.replace(dynamic_sampling=False), batch_name)
   assert np.max(np.abs(kept - table)) > 1e-4
+
+
+@pytest.mark.parametrize("batch_name", BATCHES)
+@pytest.mark.parametrize("microbatches", [1, 2])
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_dr_grpo_with_norm_length_matches_reference(epochs, microbatches, batch_name):
+  """Dr. GRPO dividing row sums by the constant C = norm_length = 16 (not L = 12), in the policy
+  loss and the KL term, micro-batches of 8 and of 4 rows: the reference's w_it = m_it / (C |R|).
+  The update is not the one that divides by L (so the constant is really used). With 2
+  micro-batches clip_fraction is left out: the micro-batches' token-mean diagnostics are
+  combined by their share of rows (the loss's denominator), so that metric is not the
+  mini-batch's token mean; the step and the loss are."""
+  config = config_for("dr_grpo", epochs, microbatches=microbatches, norm_length=16)
+  names = ("loss", "pg_loss", "kl") + (("clip_fraction",) if microbatches == 1 else ())
+  table, _ = assert_matches_reference(config, batch_name, names)
+  by_l, _, _ = run_learner(config_for("dr_grpo", epochs, microbatches=microbatches), batch_name)
+  assert np.max(np.abs(table - by_l)) > 1e-3
+  if epochs == 2:
+    assert run_reference(config, batch_name)["metrics"]["clip_fraction_max"] > 0
+
+
+def test_training_program_sets_norm_length_to_the_generation_budget():
+  """`trainer.build_learner_config`: Dr. GRPO's constant defaults to min(max_context_tokens,
+  max_turns x max_reply_tokens), the same every iteration; a value set in the config stays;
+  other aggregations keep None."""
+  import os
+  import sys
+
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from experiments.configs import base  # pylint: disable=g-import-not-at-top
+  from seeupo_jax.training import trainer  # pylint: disable=g-import-not-at-top
+
+  c = base.training_config()
+  assert c.learner.norm_length is None
+  c.rollout.max_turns, c.rollout.max_reply_tokens, c.rollout.max_context_tokens = 3, 40, 160
+  assert trainer.build_learner_config(c.learner, c.rollout).norm_length is None  # SeeUPO
+  c.learner.algorithm = "dr_grpo"
+  assert trainer.build_learner_config(c.learner, c.rollout).norm_length == 120  # 3 x 40
+  c.rollout.max_reply_tokens = 100
+  assert trainer.build_learner_config(c.learner, c.rollout).norm_length == 160  # the context
+  c.learner.norm_length = 64
+  assert trainer.build_learner_config(c.learner, c.rollout).norm_length == 64
+  c.learner.algorithm = "seeupo"
+  with pytest.raises(ValueError, match="norm_length must be None unless"):
+    trainer.build_learner_config(c.learner, c.rollout)
 
 
 def test_dapo_and_dr_grpo_defaults_are_their_papers():

@@ -87,11 +87,31 @@ def assert_same_update(a, b):
     {},  # fused: the step's own forward pass is the first pass
     {"epochs": 2, "minibatches": 2, "microbatches": 2},  # separate passes, chunks per micro-batch
     {"agg": "seq-mean-token-sum-norm"},  # divides by L: the loss must see the full width
+    # Dr. GRPO's constant C instead of L, on both routes: every chunk divides by the same C.
+    {"agg": "seq-mean-token-sum-norm", "norm_length": 48},
+    dict(agg="seq-mean-token-sum-norm", norm_length=20, epochs=2, minibatches=2, microbatches=2),
   ],
+  ids=["fused", "separate", "sum_norm_by_L", "sum_norm_by_C", "sum_norm_by_C_separate"],
 )
 def test_bucketed_update_is_the_full_batch_update(changes):
   full = learner.LearnerConfig(algorithm="seeupo", num_turns=4, turn_buckets=1, **changes)
   assert_same_update(run(full.replace(turn_buckets=4)), run(full))
+
+
+def test_norm_length_is_the_constant_of_every_turn():
+  """SeeUPO with agg="seq-mean-token-sum-norm", K = 4: C = L = 32 is the update without a
+  constant, bit for bit (each turn's prefix passes still divide by the full width), and
+  C = 64 halves the first turn's loss (reverse order: turn 3; its passes are the first)."""
+  config = learner.LearnerConfig(algorithm="seeupo", num_turns=4, agg="seq-mean-token-sum-norm")
+  by_l = run(config)
+  by_32 = run(config.replace(norm_length=L))
+  for x, y in zip(jax.tree.leaves(by_l), jax.tree.leaves(by_32)):
+    np.testing.assert_array_equal(x, y)
+  _, metrics_64 = run(config.replace(norm_length=2 * L))
+  np.testing.assert_allclose(
+    metrics_64["turn/pg_loss"][3], by_l[1]["turn/pg_loss"][3] / 2, rtol=1e-6
+  )
+  assert abs(by_l[1]["turn/pg_loss"][3]) > 1e-4
 
 
 def recording_logprob_fn():

@@ -83,6 +83,68 @@ def test_aggregate_hand_case():
     assert float(losses.aggregate(values, jnp.zeros_like(mask), mode)) == 0.0
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["nojit", "jit"])
+def test_aggregate_with_norm_length_hand_case(jit):
+  """Dr. GRPO with its constant C: row sums over C, whatever the padded length L."""
+  values = np.array([[1.0, 3.0, 100.0], [2.0, 0.0, 0.0], [7.0, 7.0, 7.0]], np.float32)
+  mask = np.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]], np.float32)
+
+  def agg(v, m, norm_length):
+    fn = functools.partial(
+      losses.aggregate, mode="seq-mean-token-sum-norm", norm_length=norm_length
+    )
+    return float((jax.jit(fn) if jit else fn)(jnp.asarray(v), jnp.asarray(m)))
+
+  # C = 5: rows 0 and 1 have tokens (sums 4 and 2), row 2 none: (4/5 + 2/5) / 2.
+  assert agg(values, mask, 5) == pytest.approx((4.0 / 5 + 2.0 / 5) / 2, rel=1e-7)
+  assert agg(values, mask, 1) == pytest.approx((4.0 + 2.0) / 2, rel=1e-7)  # seq-mean-token-sum
+  assert agg(values, mask, 3) == agg(values, mask, None)  # C = L: today's value, bit for bit
+  # Six padding columns (values anywhere, mask 0): with C the value stays, with L it halves.
+  wide_values = np.concatenate([values, np.full((3, 3), 9.0, np.float32)], axis=1)
+  wide_mask = np.concatenate([mask, np.zeros((3, 3), np.float32)], axis=1)
+  assert agg(wide_values, wide_mask, 5) == agg(values, mask, 5)
+  assert agg(wide_values, wide_mask, None) == pytest.approx(agg(values, mask, None) / 2, rel=1e-7)
+  assert agg(values, np.zeros_like(mask), 5) == 0.0
+
+
+@given(token_batch(), st.sampled_from([1, 4, 64]))
+def test_aggregate_with_norm_length_matches_reference(batch, norm_length):
+  logp, _, _, mask = batch
+  mode = "seq-mean-token-sum-norm"
+  got = losses.aggregate(logp, mask, mode, norm_length=norm_length)
+  want = ref.aggregate(logp, mask, mode, norm_length)
+  np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_every_loss_divides_by_norm_length():
+  """Each loss that aggregates passes `norm_length` on: with seq-mean-token-sum-norm the loss
+  and its gradient scale by L / C (the token clip loss also against the float64 reference)."""
+  rng = np.random.default_rng(3)
+  b, length, c = 5, 6, 40
+  old_logp = -rng.exponential(1.0, (b, length)).astype(np.float32)
+  logp = (old_logp + rng.normal(0.0, 0.3, (b, length))).astype(np.float32)
+  mask = (rng.random((b, length)) < 0.7).astype(np.float32)
+  mask[2] = 0.0
+  adv = rng.normal(0.0, 1.0, (b,)).astype(np.float32)
+  norm = dict(agg="seq-mean-token-sum-norm")
+  value_args = (old_logp, -logp, mask)  # values = logp: old values, returns, mask
+  loss_fns = {
+    "token_clip": lambda lp, **kw: losses.token_clip_loss(lp, old_logp, adv, mask, **kw)[0],
+    "sequence_clip": lambda lp, **kw: losses.sequence_clip_loss(lp, old_logp, adv, mask, **kw)[0],
+    "reinforce": lambda lp, **kw: losses.reinforce_loss(lp, adv, mask, **kw)[0],
+    "value": lambda lp, **kw: losses.value_loss(lp, *value_args, clip=0.2, **kw)[0],
+  }
+  for name, fn in loss_fns.items():
+    with_c, grad_c = jax.value_and_grad(functools.partial(fn, norm_length=c, **norm))(logp)
+    with_l, grad_l = jax.value_and_grad(functools.partial(fn, **norm))(logp)
+    assert abs(float(with_l)) > 1e-3, name
+    np.testing.assert_allclose(with_c * c, with_l * length, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(grad_c * c, grad_l * length, rtol=1e-5, atol=1e-7, err_msg=name)
+  want = ref.token_clip_loss(logp, old_logp, adv, mask, 0.2, 0.2, None, norm["agg"], c)
+  got = losses.token_clip_loss(logp, old_logp, adv, mask, norm_length=c, **norm)[0]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 @given(reward_batch(), st.booleans(), st.booleans(), st.sampled_from([None, 3.0, 0.5]))
 def test_grae_matches_reference(batch, group_std, batch_norm, clip):
   rewards, group_ids, num_groups, valid = batch
@@ -280,6 +342,13 @@ def test_bad_options_name_the_allowed_values():
     losses.aggregate(x, x, "mean")
   with pytest.raises(ValueError, match="kind='k4'.*'low_var_kl'"):
     losses.kl_penalty(x, x, "k4")
+  for bad in (0, -3, 2.0, True):
+    with pytest.raises(ValueError, match="norm_length must be None or an int >= 1"):
+      losses.aggregate(x, x, "seq-mean-token-sum-norm", norm_length=bad)
+  with pytest.raises(ValueError, match="applies to agg='seq-mean-token-sum-norm' only"):
+    losses.aggregate(x, x, "token-mean", norm_length=4)
+  with pytest.raises(ValueError, match="applies to agg='seq-mean-token-sum-norm' only"):
+    losses.token_clip_loss(x, x, jnp.zeros(2), x, norm_length=4)  # agg: seq-mean-token-mean
   with pytest.raises(AssertionError):
     losses.token_clip_loss(x, x, jnp.zeros(3), x)  # advantages of the wrong length
 

@@ -71,6 +71,11 @@ class LearnerConfig:
     kl_kind: one of `losses.KL_KINDS`.
     agg: loss aggregation, one of `losses.AGGREGATION_MODES` (the KL term uses
       the same); None: the algorithm's.
+    norm_length: C, an int >= 1: the constant by which agg="seq-mean-token-sum-norm" (Dr. GRPO)
+      divides each row's token sum, in the policy loss and the KL term (`losses.aggregate`);
+      None: the batch's padded length L, which follows the batch's shape (the training program
+      pads to the longest trajectory, so L changes between iterations and rescales the loss;
+      it sets C to the run's generation budget instead, docs/learner.md). Only with that agg.
     gamma: discount. PPO: GAE's per-token discount. Critic-free algorithms: turn t
       of a trajectory with T_i turns gets advantage A * gamma^(T_i - 1 - t)
       (`objectives.turn_discounts`); 1 (the paper's) leaves A as it is.
@@ -120,6 +125,7 @@ class LearnerConfig:
   kl_coef: float = 0.002
   kl_kind: str = "low_var_kl"
   agg: Optional[str] = None
+  norm_length: Optional[int] = None
   gamma: float = 1.0
   gae_lambda: float = 1.0
   value_clip: Optional[float] = 0.5
@@ -190,6 +196,15 @@ class LearnerConfig:
       raise _bad("kl_kind", f"one of {losses.KL_KINDS}", self.kl_kind)
     if self.agg not in losses.AGGREGATION_MODES:
       raise _bad("agg", f"one of {losses.AGGREGATION_MODES}", self.agg)
+    if self.norm_length is not None:
+      if not _is_int(self.norm_length) or self.norm_length < 1:
+        raise _bad("norm_length", "None or an int >= 1", self.norm_length)
+      if self.agg != "seq-mean-token-sum-norm":
+        raise _bad(
+          "norm_length",
+          f"None unless agg='seq-mean-token-sum-norm' (agg is {self.agg!r})",
+          self.norm_length,
+        )
     if not 0.0 < self.gamma <= 1.0:
       raise _bad("gamma", "a float in (0, 1]", self.gamma)
     if not 0.0 <= self.gae_lambda <= 1.0:

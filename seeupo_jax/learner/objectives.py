@@ -370,11 +370,15 @@ def sampler_weight_stats(weights: SamplerWeights) -> dict[str, Array]:
 
 
 def aggregation_denominator(mask: Array, agg: str) -> Array:
-  """The denominator `losses.aggregate(., mask, agg)` divides by (before its max with 1).
+  """The denominator `losses.aggregate(., mask, agg)` divides its sum of row (or token) values
+  by (before its max with 1).
 
   token-mean: the number of masked tokens; seq-mean-*: the number of rows with
   tokens. Used to weight micro-batches so that their gradients add up to the
-  mini-batch's exactly.
+  mini-batch's exactly. seq-mean-token-sum-norm's per-row constant C
+  (`LearnerConfig.norm_length`, or L) is part of the row values, not of this count: it is
+  the same in every micro-batch and chunk of a call (they all see the full width L,
+  `update._prefix_logprobs`), so it cancels in the micro-batch shares.
   """
   if agg == "token-mean":
     return jnp.sum(mask)
@@ -387,7 +391,8 @@ def policy_loss(logp: Array, inputs: LossInputs, config: LearnerConfig) -> tuple
     loss "sequence_clip" (seeupo, gspo): losses.sequence_clip_loss (one ratio per row of the mask)
     loss "token_clip" (grpo, ppo):       losses.token_clip_loss
     loss "reinforce" (reinforce, rloo):  losses.reinforce_loss
-    + kl_coef * aggregate(kl_penalty(logp, ref_logp, kl_kind), mask, agg)
+    + kl_coef * aggregate(kl_penalty(logp, ref_logp, kl_kind), mask, agg, norm_length)
+  (agg and norm_length: `LearnerConfig`'s; norm_length is C of "seq-mean-token-sum-norm").
 
   Args:
     logp: float32[R, L] log-probs at the params being optimised.
@@ -399,8 +404,9 @@ def policy_loss(logp: Array, inputs: LossInputs, config: LearnerConfig) -> tuple
   """
   if inputs.old_logp is None:
     inputs = inputs._replace(old_logp=jax.lax.stop_gradient(logp))
+  agg = dict(agg=config.agg, norm_length=config.norm_length)
   clip = dict(
-    clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip, agg=config.agg
+    clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip, **agg
   )
   kind = config.spec.loss
   if kind == "sequence_clip":
@@ -412,12 +418,15 @@ def policy_loss(logp: Array, inputs: LossInputs, config: LearnerConfig) -> tuple
       logp, inputs.old_logp, inputs.advantages, inputs.mask, **clip
     )
   else:
-    pg, metrics = losses.reinforce_loss(logp, inputs.advantages, inputs.mask, agg=config.agg)
+    pg, metrics = losses.reinforce_loss(logp, inputs.advantages, inputs.mask, **agg)
   if inputs.ref_logp is None:
     kl = jnp.zeros((), jnp.float32)
   else:
     kl = losses.aggregate(
-      losses.kl_penalty(logp, inputs.ref_logp, config.kl_kind), inputs.mask, config.agg
+      losses.kl_penalty(logp, inputs.ref_logp, config.kl_kind),
+      inputs.mask,
+      config.agg,
+      norm_length=config.norm_length,
     )
   return pg + config.kl_coef * kl, {
     "pg_loss": pg,

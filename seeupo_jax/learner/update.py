@@ -37,8 +37,9 @@ those rows, compacted to the front of each mini-batch and cut into chunks of
 on the prefix that ends with the turn, rounded up to one of K static lengths
 ceil(k L / K) (`lax.switch` over K programs, one per length; the log-probs are
 padded back to L with zeros before the loss, so every loss and aggregation,
-Dr. GRPO's division by L included, sees the full-width arrays). The first pass
-also covers the pending turn's tokens, from which M is corrected. The shape is
+Dr. GRPO's division by L (`norm_length` None) included, sees the full-width
+arrays). The first pass also covers the pending turn's tokens, from which M is
+corrected. The shape is
 chosen inside the one jitted update from the turn's masks, so one program
 serves every batch and the turn scan stays one scan body: compile time grows
 with K, not with num_turns. Rows and positions left out hold no token of the
@@ -370,11 +371,13 @@ def _micro_grads(
 
   Each micro-batch's loss is weighted by its share of the mini-batch's
   aggregation denominator, so the micro-batch gradients add up to the
-  mini-batch gradient exactly. With a `correction` (SeeUPO, fused: this forward
-  pass is the turn's first) M is corrected from this pass's log-probs and the
-  advantages weighed by it before the loss is formed (`objectives.turn_inputs`). With a
-  `shape` the model runs on its prefix only (`_at_length`: one forward and backward program
-  per length bucket, the loss on the log-probs padded back to L).
+  mini-batch gradient exactly (seq-mean-token-sum-norm's constant, `norm_length` or
+  the full width L, is the same in every micro-batch: `objectives.aggregation_denominator`).
+  With a `correction` (SeeUPO, fused: this forward pass is the turn's first) M is corrected
+  from this pass's log-probs and the advantages weighed by it before the loss is formed
+  (`objectives.turn_inputs`). With a `shape` the model runs on its prefix only (`_at_length`:
+  one forward and backward program per length bucket, the loss on the log-probs padded back
+  to L).
   """
   config = fns.config
   sub_batch = batch_lib.take_rows(batch, rows)

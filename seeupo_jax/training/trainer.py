@@ -201,6 +201,31 @@ def build_rollout_config(r: ml_collections.ConfigDict) -> rollout.RolloutConfig:
   )
 
 
+def generation_budget(r: ml_collections.ConfigDict) -> int:
+  """The most tokens a trajectory can generate: min(max_context_tokens, max_turns x
+  max_reply_tokens) (the prompt and environment output only lower it)."""
+  return min(r.max_context_tokens, r.max_turns * r.max_reply_tokens)
+
+
+def build_learner_config(
+  section: ml_collections.ConfigDict, r: ml_collections.ConfigDict
+) -> learner.LearnerConfig:
+  """The `LearnerConfig` of the config's `learner` section (num_turns = rollout.max_turns).
+
+  With agg="seq-mean-token-sum-norm" (Dr. GRPO) and `norm_length` left unset, norm_length is
+  the run's `generation_budget`: the batch's padded length L, which the aggregation divides by
+  otherwise, is the longest trajectory rounded up to a bucket (`rollout.collate`), so it would
+  change between iterations and rescale the loss; the budget is the same every iteration and is
+  the constant the Dr. GRPO paper divides by. `--config.learner.norm_length=N` overrides it.
+  """
+  fields = section.to_dict()
+  fields["custom_order"] = tuple(fields.get("custom_order") or ())
+  config = learner.LearnerConfig(num_turns=r.max_turns, **fields)
+  if config.agg == "seq-mean-token-sum-norm" and config.norm_length is None:
+    config = config.replace(norm_length=generation_budget(r))
+  return config
+
+
 def build(config: ml_collections.ConfigDict) -> Program:
   """Builds the program's parts from a training config (validating it).
 
@@ -235,10 +260,8 @@ def build(config: ml_collections.ConfigDict) -> Program:
     )
     rollout_config = build_rollout_config(r)
   eval_sampling = dataclasses.replace(sampling_config, greedy=bool(config.eval.greedy))
-  learner_fields = config.learner.to_dict()
-  learner_fields["custom_order"] = tuple(learner_fields.get("custom_order") or ())
   with _config_values("learner"):
-    learner_config = learner.LearnerConfig(num_turns=r.max_turns, **learner_fields)
+    learner_config = build_learner_config(config.learner, r)
   optimizer = build_optimizer(config.optimizer)
   logprob_fn = learner.qwen_logprob_fn(model_config, temperature=r.temperature)
   ppo = learner_config.spec.critic
