@@ -13,6 +13,17 @@ r"""Runs one experiment: a config from the registry, overrides, a workdir.
 workdir resumes from its last checkpoint. The config's `program` selects
 what runs, from the fixed table `PROGRAMS`. This file only dispatches.
 
+Many processes (a TPU pod slice, SLURM nodes, or several processes on one machine): the same
+command in every process. `--distributed=auto` (the default) starts JAX's multi-process
+runtime when `--num_processes` > 1 is given (with `--coordinator_address` and
+`--process_id`) or when SLURM's srun, a TPU pod slice or Open MPI announces several processes;
+`--distributed=yes` always starts it (JAX then finds the cluster, e.g. on Cloud TPU VMs),
+`no` never. Recipes: docs/training.md, "Many processes".
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \
+      python experiments/run.py --workdir=/tmp/two --num_processes=2 --process_id=I \
+        --coordinator_address=127.0.0.1:12355          # for I in 0 1, at once
+
 Expected failures end the run with one line on stderr, `error: ...`, and a
 non-zero status, never a traceback: a bad config, an environment that cannot
 run here, a workdir that cannot be used (a file, locked by a live run, only
@@ -41,6 +52,18 @@ from experiments import configs  # noqa: E402
 
 DEFAULT_CONFIG = "synthetic"
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default runs/<config name>).")
+_DISTRIBUTED = flags.DEFINE_enum(
+  "distributed",
+  "auto",
+  ["auto", "yes", "no"],
+  "Start JAX's multi-process runtime: auto (explicit flags below, or SLURM/TPU pod/Open MPI "
+  "announcing several processes), yes (always; JAX detects the cluster), no (one process).",
+)
+_COORDINATOR = flags.DEFINE_string(
+  "coordinator_address", None, "host:port of process 0 (with --num_processes, --process_id)."
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes of a multi-process run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0 .. n - 1.")
 
 
 def _run_bandit(config: ml_collections.ConfigDict, workdir: str, defaults) -> None:
@@ -108,6 +131,18 @@ def _main(argv: list[str], name: str) -> None:
   config = flags.FLAGS.config
   if config.program not in PROGRAMS:
     raise app.UsageError(f"config.program={config.program!r}; allowed: {sorted(PROGRAMS)}")
+  from seeupo_jax import distributed  # pylint: disable=g-import-not-at-top
+
+  try:
+    distributed.initialize(
+      _DISTRIBUTED.value,
+      coordinator_address=_COORDINATOR.value,
+      num_processes=_NUM_PROCESSES.value,
+      process_id=_PROCESS_ID.value,
+    )
+  except distributed.DistributedError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   from seeupo_jax import envs  # pylint: disable=g-import-not-at-top
   from seeupo_jax import rollout  # pylint: disable=g-import-not-at-top
   from seeupo_jax.training import oracle  # pylint: disable=g-import-not-at-top
@@ -134,8 +169,12 @@ def one_line(error: BaseException) -> str:
 
 
 def write_error_log(workdir: str) -> str:
-  """Appends the exception being handled, with its traceback, to <workdir>/error.log."""
-  path = os.path.join(workdir, "error.log")
+  """Appends the exception being handled, with its traceback, to <workdir>/error.log
+  (error.<p>.log in process p > 0 of a multi-process run)."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  index = jax.process_index()
+  path = os.path.join(workdir, "error.log" if index == 0 else f"error.{index}.log")
   try:
     os.makedirs(workdir, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:

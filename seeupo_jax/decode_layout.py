@@ -25,6 +25,15 @@ layer, the embedding lookup's and the logits'), and each device reads 1 / tensor
     with jax.set_mesh(layout.mesh):                                # the model's activation specs
       session.prefill(layout(state.params)); replies = session.decode(layout(state.params))
 
+Many processes (`seeupo_jax.distributed`): each process samples on its own devices, so its
+tensor-parallel groups lie inside it. The reshard runs SPMD over the decode mesh of all the
+processes' devices (`reshard_mesh`, "data" = processes x data slices within one), where the copy
+is replicated over "data": every process's devices receive the whole model (1 / tensor of it
+each), over the interconnect, once per set of params; then `layout(params)` hands this process
+the copy's shards as arrays on its own decode mesh (`mesh`, `distributed.process_mesh`), without
+a copy. The sampler then never touches another process's devices. One process: the two meshes
+are one.
+
 `layout(params)` runs one jitted function with fixed `out_shardings`. From the second call on it
 donates the previous call's output, so XLA writes the new copy into the old copy's buffers (the
 compiled reshard aliases every output to a donated input: no second copy is ever allocated);
@@ -36,6 +45,7 @@ it made, without a reshard. The learner's params are never modified.
 from __future__ import annotations
 
 import functools
+import math
 import re
 import weakref
 from typing import Any, Optional
@@ -45,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from seeupo_jax import distributed
 from seeupo_jax import sharding
 from seeupo_jax.models import qwen
 from seeupo_jax.models.config import ModelConfig
@@ -61,8 +72,9 @@ def decode_mesh(mesh: Mesh, tensor: Optional[int] = None) -> Mesh:
   Args:
     mesh: the learner's mesh (`sharding.make_mesh`).
     tensor: the tensor-parallel size; None = every device of one `mesh` data slice
-      (fsdp x tensor of `mesh`), so data keeps its size. Must divide the number of devices;
-      data becomes devices / tensor.
+      (fsdp x tensor of `mesh`), so data keeps its size, but at most one process's devices
+      (their greatest common divisor: a tensor-parallel group never spans processes). Must
+      divide the number of devices; data becomes devices / tensor.
 
   Returns:
     A `Mesh` of the same devices in the same order, shape (devices / tensor, 1, tensor).
@@ -71,6 +83,8 @@ def decode_mesh(mesh: Mesh, tensor: Optional[int] = None) -> Mesh:
   n = devices.size
   if tensor is None:
     tensor = n // mesh.shape["data"]
+    if jax.process_count() > 1:
+      tensor = math.gcd(tensor, jax.local_device_count())
   if not isinstance(tensor, int) or tensor < 1 or n % tensor:
     raise ValueError(f"decode tensor size must be a positive divisor of {n} devices, got {tensor}")
   return sharding.make_mesh(data=n // tensor, fsdp=1, tensor=tensor, devices=list(devices.flat))
@@ -160,7 +174,9 @@ def _move_in_order(xs, sources, hops, targets, *, dtype, after=None) -> list[jax
   return out
 
 
-def _reshard(params: Params, previous: Optional[Params], *, dtype, plan) -> Params:
+def _reshard(
+  params: Params, previous: Optional[Params], *, dtype, plan, unroll: bool = False
+) -> Params:
   """The decode copy of `params`, written into `previous`'s buffers when given.
 
   The stacked layer params move one layer at a time (a `fori_loop` of dynamic slices and
@@ -173,6 +189,8 @@ def _reshard(params: Params, previous: Optional[Params], *, dtype, plan) -> Para
     previous: the previous decode copy (donated by the caller) or None (allocate).
     dtype: the compute dtype.
     plan: (source, hop, target) shardings, three params-shaped trees.
+    unroll: the layer loop unrolled (a Python loop): every collective in the program's entry
+      computation (see `DecodeLayout`'s `unroll`).
   """
   specs = plan
   if jax.tree.structure(params) != jax.tree.structure(specs[2]):
@@ -200,7 +218,11 @@ def _reshard(params: Params, previous: Optional[Params], *, dtype, plan) -> Para
     ]
 
   num_layers = layers[0].shape[0]
-  buffers = jax.lax.fori_loop(0, num_layers, reshard_layer, buffers)
+  if unroll:
+    for i in range(num_layers):
+      buffers = reshard_layer(i, buffers)
+  else:
+    buffers = jax.lax.fori_loop(0, num_layers, reshard_layer, buffers)
   rest = {k: v for k, v in params.items() if k != "layers"}
   rest_leaves, rest_def = jax.tree.flatten(rest)
   rest_specs = [jax.tree.leaves({k: tree[k] for k in rest}) for tree in specs]
@@ -218,12 +240,24 @@ class DecodeLayout:
     mesh: the learner's mesh; the decode mesh has the same devices (`decode_mesh`).
     tensor: the decode tensor-parallel size (None: fsdp x tensor of `mesh`).
     donate: write each new copy into the previous copy's buffers (True), or allocate a new one.
+    unroll: move the layers in an unrolled loop instead of a `fori_loop` (a larger program).
+      None: only with several processes on CPU, where XLA:CPU ran the collectives of the loop
+      concurrently with the ones around it, in different orders on different devices, which
+      gloo then matched wrongly ("collective mismatch", an abort). Accelerators issue a
+      program's collectives in its order.
 
   Attributes:
-    mesh: the decode mesh: run the sampler under `jax.set_mesh(layout.mesh)`.
+    mesh: the decode mesh of this process's devices: run the sampler under
+      `jax.set_mesh(layout.mesh)`.
+    reshard_mesh: the decode mesh of every process's devices, where the reshard runs (`mesh`
+      with one process).
     model_config: `model_config` with `param_dtype = dtype` (the copy's numerics; the sampler
       gives the same results with either config, the params are cast to dtype before use).
-    shardings: the decode params' `NamedSharding`s (a params-shaped tree).
+    shardings: the decode params' `NamedSharding`s on `reshard_mesh` (a params-shaped tree).
+
+  Raises:
+    ValueError: `tensor` does not divide the devices, or (many processes) a tensor-parallel
+      group would span processes.
   """
 
   def __init__(
@@ -233,22 +267,40 @@ class DecodeLayout:
     *,
     tensor: Optional[int] = None,
     donate: bool = True,
+    unroll: Optional[bool] = None,
   ):
-    self.mesh = decode_mesh(mesh, tensor)
+    self.reshard_mesh = decode_mesh(mesh, tensor)
+    self.mesh = self.reshard_mesh
+    if jax.process_count() > 1:
+      try:
+        self.mesh = distributed.process_mesh(self.reshard_mesh)
+      except distributed.DistributedError as e:
+        raise ValueError(
+          f"the decode tensor-parallel size {self.reshard_mesh.shape['tensor']} must divide "
+          f"the {jax.local_device_count()} devices of each process ({e})"
+        ) from None
     self.model_config = model_config.replace(param_dtype=model_config.dtype)
     self.shardings = param_shardings(
-      qwen.params_shape(self.model_config), self.mesh, self.model_config
+      qwen.params_shape(self.model_config), self.reshard_mesh, self.model_config
     )
     # The learner's layout (`sharding.param_shardings` on `mesh`), where the cast happens.
     shapes = qwen.params_shape(model_config)
     source = sharding.param_shardings(shapes, mesh)
     hops = jax.tree.map(
-      lambda x, s: NamedSharding(self.mesh, _split_over_data(s.spec, x.shape, self.mesh)),
+      lambda x, s: NamedSharding(
+        self.reshard_mesh, _split_over_data(s.spec, x.shape, self.reshard_mesh)
+      ),
       shapes,
       self.shardings,
     )
+    if unroll is None:
+      unroll = jax.process_count() > 1 and self.mesh.devices.flat[0].platform == "cpu"
+    self.unroll = unroll
     reshard = functools.partial(
-      _reshard, dtype=jnp.dtype(model_config.dtype), plan=(source, hops, self.shardings)
+      _reshard,
+      dtype=jnp.dtype(model_config.dtype),
+      plan=(source, hops, self.shardings),
+      unroll=unroll,
     )
     self.reshard = jax.jit(functools.partial(reshard, previous=None), out_shardings=self.shardings)
     # keep_unused: jit would drop the donated leaves the function does not read (all but the
@@ -258,17 +310,19 @@ class DecodeLayout:
     )
     self.donate = donate
     self._source: list[weakref.ref] = []
-    self._params: Optional[Params] = None
+    self._params: Optional[Params] = None  # the copy on reshard_mesh (donated by the next)
+    self._local: Optional[Params] = None  # its shards on this process's mesh
 
   def cache_sharding(self, cache: qwen.KVCache) -> qwen.KVCache:
     """The KV cache's shardings on the decode mesh (for `sampling.SamplerSession`)."""
     return sharding.cache_shardings(cache, self.mesh)
 
   def __call__(self, params: Params) -> Params:
-    """The decode-layout copy of `params` (learner layout, any float dtype).
+    """The decode-layout copy of `params` (learner layout, any float dtype), on `mesh`.
 
     The copy returned by the previous call is deleted (its buffers hold the new copy) unless
-    `params` are the same arrays as then, in which case that copy is returned again.
+    `params` are the same arrays as then, in which case that copy is returned again. With
+    many processes, a collective: every process calls it with its part of the same params.
     """
     leaves = jax.tree.leaves(params)
     if (
@@ -276,11 +330,16 @@ class DecodeLayout:
       and len(leaves) == len(self._source)
       and all(ref() is leaf for ref, leaf in zip(self._source, leaves))
     ):
-      return self._params
-    if self.donate and self._params is not None:
-      out = self.reshard_into(params, self._params)
-    else:
-      out = self.reshard(params)
+      return self._local
+    with jax.set_mesh(self.reshard_mesh):  # over every process's devices
+      if self.donate and self._params is not None:
+        out = self.reshard_into(params, self._params)
+      else:
+        out = self.reshard(params)
     self._source = [weakref.ref(leaf) for leaf in leaves]
     self._params = out
-    return out
+    if self.mesh is self.reshard_mesh:
+      self._local = out
+    else:
+      self._local = jax.tree.map(lambda x: distributed.local_view(x, self.mesh), out)
+    return self._local

@@ -41,6 +41,26 @@ REGISTRY: dict[str, Callable[[Mapping[str, Any]], EnvSpec]] = {
 }
 
 
+# Environments whose instances live on servers: each process of a multi-process run gets its
+# own (`appworld.options_for_process`). The others run in each process as they are.
+_PER_PROCESS: dict[str, Callable[..., dict]] = {"appworld": appworld.options_for_process}
+
+
+def process_options(
+  name: str, options: Mapping[str, Any], index: int, count: int, local_index: int
+) -> dict:
+  """The options of environment `name` for process `index` of `count` (`local_index`: its rank
+  on its host); the options as they are for one process or an environment without servers.
+
+  Raises:
+    ValueError: options that cannot be split between the processes.
+  """
+  options = dict(options)
+  if count == 1 or name not in _PER_PROCESS:
+    return options
+  return _PER_PROCESS[name](options, index, count, local_index)
+
+
 def make_spec(name: str, options: Mapping[str, Any] | None = None) -> EnvSpec:
   """The `EnvSpec` of environment `name` with its `options` (the config's `env.<name>` section).
 
@@ -67,4 +87,5 @@ __all__ = [
   "Score",
   "Step",
   "make_spec",
+  "process_options",
 ]

@@ -229,6 +229,46 @@ class AppWorldConfig:
         )
 
 
+def options_for_process(options: dict, index: int, count: int, local_index: int) -> dict:
+  """The `env` options of process `index` of `count` in a multi-process run: its own servers.
+
+  Every process plays its own episodes and leases servers from its own pool, so no two
+  processes may share a server:
+    urls "A,B;C,D": ';' separates the processes' lists (process 0 takes A and B, process 1 C
+      and D); there must be one list per process.
+    urls "A,B" (no ';'): every process uses the same URLs, which must then be on its own host
+      (e.g. http://127.0.0.1:8000): allowed only with one process per host.
+    urls "": `num_servers` servers on `host` (by default this machine) at ports from
+      base_port + local_index x num_servers, so processes that share a host take disjoint
+      port ranges (one process per host: base_port on every host).
+
+  Raises:
+    ValueError: a ';' list of the wrong length, or shared URLs on a host with more processes.
+  """
+  urls = str(options.get("urls", ""))
+  out = dict(options)
+  if ";" in urls:
+    lists = urls.split(";")
+    if len(lists) != count:
+      raise ValueError(
+        f"appworld.urls has {len(lists)} ';'-separated lists, but the run has {count} "
+        "processes (one list each)"
+      )
+    out["urls"] = lists[index]
+  elif urls:
+    if local_index > 0:
+      raise ValueError(
+        "appworld.urls (without ';') would be shared by several processes of one host: give "
+        "each process its own list, separated by ';', or leave urls empty (port ranges)"
+      )
+  else:
+    base = int(options.get("base_port", AppWorldConfig.base_port))
+    out["base_port"] = base + local_index * int(
+      options.get("num_servers", AppWorldConfig.num_servers)
+    )
+  return out
+
+
 def server_urls(config: AppWorldConfig) -> list[str]:
   """The pool's URLs: `urls` if given, else num_servers ports from base_port on `host`."""
   if config.urls:

@@ -8,7 +8,7 @@ of them the policy generated, and at which turn.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import chex
 import flax
@@ -94,7 +94,7 @@ def take_rows(batch: Batch, rows: jax.Array) -> Batch:
   return jax.tree.map(lambda x: sharding_lib.constrain(x[rows], P(sharding_lib.BATCH)), batch)
 
 
-def validate(batch: Any, num_turns: int) -> None:
+def validate(batch: Any, num_turns: int, *, num_rows: Optional[int] = None) -> None:
   """Host-side value checks of a batch before it is sent to the learner.
 
   The jitted update cannot raise on values, so the rollout collator (and any
@@ -104,12 +104,14 @@ def validate(batch: Any, num_turns: int) -> None:
   Args:
     batch: a `Batch` of NumPy or fully addressable arrays.
     num_turns: the learner's `LearnerConfig.num_turns`.
+    num_rows: N, the rows of the whole batch that group ids index (multi-host: each
+      process checks its own rows of a batch of N); default: the rows of `batch`.
   """
   check_shapes(batch)
   tokens, valid = np.asarray(batch.tokens), np.asarray(batch.token_valid)
   turns, groups = np.asarray(batch.turn_ids), np.asarray(batch.group_ids)
   row_valid = np.asarray(batch.row_valid)
-  n = tokens.shape[0]
+  n = tokens.shape[0] if num_rows is None else num_rows
 
   def fail(what: str, rows) -> None:
     rows = np.flatnonzero(rows)

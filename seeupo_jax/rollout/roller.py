@@ -62,6 +62,14 @@ group's advantages are computed from a biased subset. If more than
 `max_failed_group_fraction` of the groups fail in one call, `EnvironmentFailure` is raised
 with the first errors: a broken environment server surfaces as an error, never as zero
 rewards.
+
+Many processes (`Roller(..., processes=distributed.Processes.current())`): every process calls
+`run` with the same B tasks and key; each plays its block of the groups (`Processes.block`,
+contiguous, in process order) on its own sampler, with the groups' global numbers, so each
+trajectory's keys, and so its tokens, are those of a one-process run. `result.trajectories`
+are this process's; `result.metrics` are the whole call's (one small all-gather: the
+per-trajectory numbers and each process's counters), and the failed-group limit is checked on
+the whole call, in every process alike.
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from seeupo_jax import distributed
 from seeupo_jax import sampling
 from seeupo_jax.chat_tokens import ChatTokens
 from seeupo_jax.envs import base as envs_base
@@ -297,6 +306,8 @@ class Roller:
     text_policy: replies from a function instead of the model: trajectory so far -> the reply
       text (scripted tests, the oracle); `run`'s params are then unused and the replies'
       log-probs 0 (`policy.TextPolicy`).
+    processes: the run's processes (`distributed.Processes`); each plays its block of every
+      call's groups (see the module docstring). None: one process.
   """
 
   def __init__(
@@ -310,6 +321,7 @@ class Roller:
     cache_sharding=None,
     workers: Optional[workers_lib.EnvWorkers] = None,
     text_policy: Optional[Callable[[Trajectory], str]] = None,
+    processes: Optional[distributed.Processes] = None,
   ):
     if config.max_turns > spec.max_turns:
       logging.info(
@@ -320,6 +332,7 @@ class Roller:
     self.model_config = model_config
     self.sampling_config = sampling_config
     self.config = config
+    self.processes = processes or distributed.Processes()
     if text_policy is None:
       self.session = sampling.SamplerSession(
         model_config,
@@ -406,6 +419,9 @@ class Roller:
   ) -> RolloutResult:
     """Plays len(task_ids) x samples_per_task episodes; returns them with timing metrics.
 
+    With many processes, this process plays its block of the groups (the trajectories
+    returned); the metrics are the whole call's.
+
     Args:
       params: the policy's params.
       task_ids: the B tasks of this call (group g = task g).
@@ -418,16 +434,20 @@ class Roller:
     stats_before = dataclasses.replace(self.workers.stats)
     session_before = None if self.session is None else dataclasses.replace(self.session.stats)
     trajectories = [
-      Trajectory(task_id, group, sample)
-      for group, task_id in enumerate(task_ids)
+      Trajectory(task_ids[group], group, sample)
+      for group in self.processes.block(len(task_ids))
       for sample in range(samples_per_task)
     ]
-    keys = trajectory_keys(
-      rng,
-      [t.group for t in trajectories],
-      [t.sample for t in trajectories],
-      [0] * len(trajectories),
-      self.config.max_turns,
+    keys = (
+      trajectory_keys(
+        rng,
+        [t.group for t in trajectories],
+        [t.sample for t in trajectories],
+        [0] * len(trajectories),
+        self.config.max_turns,
+      )
+      if trajectories
+      else []
     )
     self._final: dict[tuple[int, int], Trajectory] = {}
     self._retried = 0
@@ -615,43 +635,102 @@ class Roller:
     self._final[(old.group, old.sample)] = old
 
   def _metrics(self, trajectories, num_groups, t_start, stats_before, session_before) -> dict:
+    """The call's metrics (all processes'); raises `EnvironmentFailure` past the limit."""
     failed_groups = _drop_failed_groups(trajectories)
-    if failed_groups and len(failed_groups) > self.config.max_failed_group_fraction * num_groups:
-      first = {}
-      for t in trajectories:
-        if t.error and t.group not in first:
-          first[t.group] = f"task {t.task_id!r}: {t.error}"
-      errors = list(first.values())[:3]
+    first = {}
+    for t in trajectories:
+      if t.error and t.group not in first:
+        first[t.group] = f"task {t.task_id!r}: {t.error}"
+    counts = _Counts(
+      wall=time.perf_counter() - t_start,
+      sample=self._timers.sample,
+      env_wait=self._timers.env_wait,
+      host=self._timers.host,
+      failed_groups=len(failed_groups),
+      errors=list(first.values())[:3],
+      retried=self._retried,
+      restarts=self.workers.stats.restarts - stats_before.restarts,
+      restores=self.workers.stats.restores - stats_before.restores,
+    )
+    if self.session is not None:
+      now = self.session.stats
+      counts.session = True
+      counts.slots = self.config.decode_slots
+      counts.decode_steps = now.decode_steps - session_before.decode_steps
+      counts.decode_row_steps = now.decode_row_steps - session_before.decode_row_steps
+      counts.decode_calls = now.decode_calls - session_before.decode_calls
+      counts.prefill_calls = now.prefill_calls - session_before.prefill_calls
+      counts.peak_cache_slots = now.peak_cache_slots
+      counts.live_tokens_at_peak = now.live_tokens_at_peak
+    # One exchange: every process's per-trajectory numbers (in group order) and counters.
+    reports = self.processes.allgather(([_numbers(t) for t in trajectories], counts))
+    rows = [row for part, _ in reports for row in part]
+    every = [c for _, c in reports]
+    failed = sum(c.failed_groups for c in every)
+    if failed and failed > self.config.max_failed_group_fraction * num_groups:
+      errors = [e for c in every for e in c.errors][:3]
       raise EnvironmentFailure(
-        f"{len(failed_groups)} of {num_groups} task groups failed in one rollout (limit "
+        f"{failed} of {num_groups} task groups failed in one rollout (limit "
         f"{self.config.max_failed_group_fraction:.0%}); first errors: " + "; ".join(errors)
       )
     for t in trajectories:
       if t.error:
         logging.warning("environment failure in task %s: %s", t.task_id, t.error)
-    wall = time.perf_counter() - t_start
-    metrics = _rollout_metrics(trajectories, wall, self._timers, len(failed_groups))
-    metrics["rollout/retried_episodes"] = float(self._retried)
-    stats = self.workers.stats
-    metrics["rollout/env_stopped_calls"] = float(sum(t.env_stopped_calls for t in trajectories))
-    metrics["rollout/env_worker_restarts"] = float(stats.restarts - stats_before.restarts)
-    metrics["rollout/env_restores"] = float(stats.restores - stats_before.restores)
-    if self.session is not None:
-      now, slots = self.session.stats, self.config.decode_slots
-      steps = now.decode_steps - session_before.decode_steps
-      row_steps = now.decode_row_steps - session_before.decode_row_steps
-      generated = metrics["rollout/generated_tokens"]
-      metrics["rollout/decode_steps"] = float(steps)
-      metrics["rollout/decode_calls"] = float(now.decode_calls - session_before.decode_calls)
-      metrics["rollout/prefill_calls"] = float(now.prefill_calls - session_before.prefill_calls)
-      # Share of the decode rows that were decoding, over the decode steps run.
-      metrics["rollout/slot_occupancy"] = row_steps / (steps * slots) if steps else 0.0
-      metrics["rollout/decode_steps_per_token"] = steps / generated if generated else 0.0
-      metrics["rollout/cache_slots"] = float(now.peak_cache_slots)
-      metrics["rollout/cache_slots_per_live_token"] = (
-        now.peak_cache_slots / now.live_tokens_at_peak if now.live_tokens_at_peak else 0.0
-      )
-    return metrics
+    return _rollout_metrics(rows, every)
+
+
+@dataclasses.dataclass
+class _Counts:
+  """One process's counters of one call (summed, or the slowest taken, over processes)."""
+
+  wall: float
+  sample: float
+  env_wait: float
+  host: float
+  failed_groups: int
+  errors: list
+  retried: int
+  restarts: int
+  restores: int
+  session: bool = False
+  slots: int = 0
+  decode_steps: int = 0
+  decode_row_steps: int = 0
+  decode_calls: int = 0
+  prefill_calls: int = 0
+  peak_cache_slots: int = 0
+  live_tokens_at_peak: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Numbers:
+  """The numbers of one trajectory that the call's metrics read."""
+
+  reward: float
+  success: bool
+  num_turns: int
+  length: int
+  generated: int
+  truncated_replies: int
+  truncated_env_tokens: int
+  env_stopped_calls: int
+  finish_reason: str
+  dropped: bool
+
+
+def _numbers(t: Trajectory) -> _Numbers:
+  return _Numbers(
+    reward=t.reward,
+    success=t.success,
+    num_turns=t.num_turns,
+    length=len(t.tokens),
+    generated=sum(1 for x in t.turn_ids if x >= 0),
+    truncated_replies=t.truncated_replies,
+    truncated_env_tokens=t.truncated_env_tokens,
+    env_stopped_calls=t.env_stopped_calls,
+    finish_reason=t.finish_reason,
+    dropped=t.dropped,
+  )
 
 
 def _drop_failed_groups(trajectories: Sequence[Trajectory]) -> set[int]:
@@ -661,19 +740,23 @@ def _drop_failed_groups(trajectories: Sequence[Trajectory]) -> set[int]:
   return failed
 
 
-def _rollout_metrics(trajectories, wall: float, timers: dict, failed_groups: int) -> dict:
-  kept = [t for t in trajectories if not t.dropped]
-  generated = sum(sum(1 for x in t.turn_ids if x >= 0) for t in trajectories)
+def _rollout_metrics(rows: Sequence[_Numbers], counts: Sequence[_Counts]) -> dict:
+  """The call's metrics from its trajectories' numbers (in group order) and each process's
+  counters: times are the slowest process's, counts summed, shares over the sums."""
+  kept = [t for t in rows if not t.dropped]
+  generated = sum(t.generated for t in rows)
+  wall = max(c.wall for c in counts)
+  env_wait = max(c.env_wait for c in counts)
   metrics = {
     "rollout/time": wall,
-    "rollout/sample_time": timers.sample,
-    "rollout/env_wait_time": timers.env_wait,
-    "rollout/host_time": timers.host,
-    "rollout/env_wait_share": timers.env_wait / wall if wall > 0 else 0.0,
+    "rollout/sample_time": max(c.sample for c in counts),
+    "rollout/env_wait_time": env_wait,
+    "rollout/host_time": max(c.host for c in counts),
+    "rollout/env_wait_share": env_wait / wall if wall > 0 else 0.0,
     "rollout/generated_tokens": float(generated),
     "rollout/tokens_per_s": generated / wall if wall > 0 else 0.0,
-    "rollout/failed_groups": float(failed_groups),
-    "rollout/trajectories": float(len(trajectories)),
+    "rollout/failed_groups": float(sum(c.failed_groups for c in counts)),
+    "rollout/trajectories": float(len(rows)),
   }
   if kept:
     metrics.update(
@@ -681,14 +764,31 @@ def _rollout_metrics(trajectories, wall: float, timers: dict, failed_groups: int
         "reward": float(np.mean([t.reward for t in kept])),
         "success": float(np.mean([t.success for t in kept])),
         "turns": float(np.mean([t.num_turns for t in kept])),
-        "length": float(np.mean([len(t.tokens) for t in kept])),
-        "reply_tokens": generated / max(1, sum(t.num_turns for t in trajectories)),
+        "length": float(np.mean([t.length for t in kept])),
+        "reply_tokens": generated / max(1, sum(t.num_turns for t in rows)),
         "truncated_replies": float(sum(t.truncated_replies for t in kept)),
         "truncated_env_tokens": float(sum(t.truncated_env_tokens for t in kept)),
       }
     )
     for reason in FINISH_REASONS:
-      metrics[f"finish/{reason}"] = float(
-        np.mean([t.finish_reason == reason for t in trajectories])
-      )
+      metrics[f"finish/{reason}"] = float(np.mean([t.finish_reason == reason for t in rows]))
+  metrics["rollout/retried_episodes"] = float(sum(c.retried for c in counts))
+  metrics["rollout/env_stopped_calls"] = float(sum(t.env_stopped_calls for t in rows))
+  metrics["rollout/env_worker_restarts"] = float(sum(c.restarts for c in counts))
+  metrics["rollout/env_restores"] = float(sum(c.restores for c in counts))
+  if all(c.session for c in counts):
+    steps = sum(c.decode_steps for c in counts)
+    slot_steps = sum(c.decode_steps * c.slots for c in counts)
+    peak = sum(c.peak_cache_slots for c in counts)
+    live = sum(c.live_tokens_at_peak for c in counts)
+    metrics["rollout/decode_steps"] = float(steps)
+    metrics["rollout/decode_calls"] = float(sum(c.decode_calls for c in counts))
+    metrics["rollout/prefill_calls"] = float(sum(c.prefill_calls for c in counts))
+    # Share of the decode rows that were decoding, over the decode steps run.
+    metrics["rollout/slot_occupancy"] = (
+      sum(c.decode_row_steps for c in counts) / slot_steps if slot_steps else 0.0
+    )
+    metrics["rollout/decode_steps_per_token"] = steps / generated if generated else 0.0
+    metrics["rollout/cache_slots"] = float(peak)
+    metrics["rollout/cache_slots_per_live_token"] = peak / live if live else 0.0
   return metrics

@@ -85,6 +85,7 @@ def collate(
   max_len: int,
   length_bucket: int = 128,
   num_rows: Optional[int] = None,
+  longest: Optional[int] = None,
 ) -> Batch:
   """The learner's `Batch` (NumPy arrays) of `trajectories`, right-padded.
 
@@ -92,11 +93,17 @@ def collate(
   (a longer trajectory is an error: the rollout's context limit prevents it).
   Rows keep the trajectories' order; group_ids are their `group`; dropped
   trajectories get row_valid False. `num_rows` pads with invalid rows.
+  `longest` replaces the longest trajectory's length in L (many processes, each
+  collating its rows of one batch, pass the longest of the whole batch).
   """
   n = len(trajectories) if num_rows is None else num_rows
   if n < len(trajectories):
     raise ValueError(f"num_rows={n} < {len(trajectories)} trajectories")
-  longest = max((len(t.tokens) for t in trajectories), default=1)
+  own = max((len(t.tokens) for t in trajectories), default=1)
+  if longest is None:
+    longest = own
+  elif longest < own:
+    raise ValueError(f"longest={longest} < a trajectory's {own} tokens")
   if longest > max_len:
     raise ValueError(f"a trajectory has {longest} tokens, more than max_len={max_len}")
   length = min(max_len, bucket(longest, length_bucket))

@@ -34,10 +34,26 @@ def pass_at_k(trajectories: Sequence[Trajectory], k: int) -> dict[str, float]:
 def evaluate(
   roller: Roller, params, task_ids: Sequence[str], k: int, rng: jax.Array, tasks_per_call: int
 ) -> dict[str, float]:
-  """Runs k samples of every task (in calls of `tasks_per_call` tasks) and scores them."""
+  """Runs k samples of every task (in calls of `tasks_per_call` tasks) and scores them.
+
+  With many processes (`roller.processes`), each plays its block of every call's tasks; the
+  scores are of all tasks (each process's outcomes gathered, in task order), in every process.
+  """
   trajectories: list[Trajectory] = []
+  outcomes = []  # (task index, sample, task id, reward, success, dropped)
   for start in range(0, len(task_ids), tasks_per_call):
     rng, key = jax.random.split(rng)
     result = roller.run(params, task_ids[start : start + tasks_per_call], k, key)
     trajectories.extend(result.trajectories)
+    outcomes.extend(
+      (start + t.group, t.sample, t.task_id, t.reward, t.success, t.dropped)
+      for t in result.trajectories
+    )
+  if roller.processes.count > 1:  # every process's outcomes (what pass_at_k reads), in order
+    trajectories = [
+      Trajectory(task_id, group, sample, reward=reward, success=success, dropped=dropped)
+      for group, sample, task_id, reward, success, dropped in sorted(
+        roller.processes.concat(outcomes)
+      )
+    ]
   return pass_at_k(trajectories, k)

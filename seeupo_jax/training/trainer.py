@@ -20,6 +20,13 @@ Everything random comes from one key carried in the checkpoint with the
 learner state and the task position, so a run resumed from a checkpoint makes
 the same iterations as one that never stopped. Evaluation draws its keys from
 (seed, iteration) and never touches the training key.
+
+Many processes (`seeupo_jax.distributed`; docs/training.md "Many processes"): every process
+runs this program. Each draws the same B tasks, plays its block of B / P groups on its own
+devices (global group numbers: the trajectories of a one-process run), collates its rows, and
+the global batch is built from every process's rows for the one SPMD update. Process 0 alone
+writes metrics, TensorBoard, trajectories, curves and the HF export; checkpoints are orbax's,
+written by every process.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Optional
 
 from absl import logging
 import jax
@@ -41,6 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from seeupo_jax import chat_tokens
 from seeupo_jax import decode_layout
+from seeupo_jax import distributed
 from seeupo_jax import envs
 from seeupo_jax import learner
 from seeupo_jax import rollout
@@ -112,6 +120,7 @@ class Program:
   env_workers: rollout.EnvWorkers  # shared by both rollers; `close` shuts them down
   update: Any
   init_state: Any  # () -> TrainState
+  processes: distributed.Processes = distributed.Processes()  # who plays what, who writes
 
   def close(self) -> None:
     """Stops the rollers' threads and the env workers (worker processes)."""
@@ -180,8 +189,18 @@ def build_optimizer(o: ml_collections.ConfigDict) -> optax.GradientTransformatio
   )
 
 
-def build_rollout_config(r: ml_collections.ConfigDict) -> rollout.RolloutConfig:
-  """The `RolloutConfig` of the config's `rollout` section (raises ValueError on a bad value)."""
+def build_rollout_config(
+  r: ml_collections.ConfigDict, num_processes: int = 1
+) -> rollout.RolloutConfig:
+  """The `RolloutConfig` of the config's `rollout` section (raises ValueError on a bad value).
+
+  With many processes, each process's: `decode_slots` is shared out (slots / processes each).
+  """
+  if num_processes > 1 and r.decode_slots % num_processes:
+    raise ConfigError(
+      f"rollout.decode_slots={r.decode_slots} must be divisible by the {num_processes} "
+      "processes (each samples on decode_slots / processes rows)"
+    )
   return rollout.RolloutConfig(
     max_turns=r.max_turns,
     max_context_tokens=r.max_context_tokens,
@@ -194,7 +213,7 @@ def build_rollout_config(r: ml_collections.ConfigDict) -> rollout.RolloutConfig:
     episode_retries=r.episode_retries,
     max_failed_group_fraction=r.max_failed_group_fraction,
     scheduler=r.scheduler,
-    decode_slots=r.decode_slots,
+    decode_slots=r.decode_slots // num_processes,
     decode_steps_per_sync=r.decode_steps_per_sync,
     page_size=r.page_size,
     prefill_chunk=r.prefill_chunk,
@@ -237,15 +256,28 @@ def build(config: ml_collections.ConfigDict) -> Program:
     envs.EnvironmentUnavailable: the config's environment cannot run here.
   """
   validation.check(config)
+  processes = distributed.Processes.current()
   env_name = config.env.name
-  with _config_values("env"):
-    spec = envs.make_spec(env_name, env_options(config.env))
   r = config.rollout
+  if processes.count > 1 and r.tasks_per_iteration % processes.count:
+    raise ConfigError(
+      f"rollout.tasks_per_iteration={r.tasks_per_iteration} must be divisible by the "
+      f"{processes.count} processes (each plays tasks_per_iteration / processes groups)"
+    )
+  with _config_values("env"):
+    spec = envs.make_spec(
+      env_name,
+      envs.process_options(
+        env_name, env_options(config.env), processes.index, processes.count, processes.local_index
+      ),
+    )
   model_config, tokenizer, load_params = build_model(config)
   with _config_values("chat_template_kwargs"):
     chat = chat_tokens.ChatTokens(tokenizer, config.chat_template_kwargs.to_dict())
   with _config_values("mesh"):
     mesh = sharding_lib.make_mesh(**config.mesh.to_dict())
+  if processes.count > 1:
+    _check_row_blocks(mesh, r.tasks_per_iteration * r.samples_per_task, processes)
 
   stops = tuple(sorted(set(tokenizer_lib.stop_token_ids(tokenizer)) | {chat.end_of_turn_id}))
   pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -258,7 +290,7 @@ def build(config: ml_collections.ConfigDict) -> Program:
       stop_token_ids=stops,
       pad_id=pad_id,
     )
-    rollout_config = build_rollout_config(r)
+    rollout_config = build_rollout_config(r, processes.count)
   eval_sampling = dataclasses.replace(sampling_config, greedy=bool(config.eval.greedy))
   with _config_values("learner"):
     learner_config = build_learner_config(config.learner, r)
@@ -292,6 +324,7 @@ def build(config: ml_collections.ConfigDict) -> Program:
         rollout_config,
         cache_sharding=cache_sharding,
         workers=env_workers,
+        processes=processes,
       )
       for sampler_config in (sampling_config, eval_sampling)
     )
@@ -331,7 +364,29 @@ def build(config: ml_collections.ConfigDict) -> Program:
     env_workers=env_workers,
     update=update,
     init_state=init_state,
+    processes=processes,
   )
+
+
+def _check_row_blocks(mesh: jax.sharding.Mesh, rows: int, processes) -> None:
+  """Each process's devices must hold one contiguous block of the batch's rows, its own.
+
+  The global batch is built from each process's rows (`learner.shard_batch`): process p's
+  B x n / P rows are rows [p x B x n / P, (p + 1) x B x n / P) of the batch.
+  """
+  spec = sharding_lib.fit_spec(P(sharding_lib.BATCH), (rows,), mesh)
+  held = NamedSharding(mesh, spec).addressable_devices_indices_map((rows,)).values()
+  starts = {index[0].start or 0 for index in held}
+  stops = {rows if index[0].stop is None else index[0].stop for index in held}
+  block = processes.block(rows)
+  if spec == P(None) or min(starts) != block.start or max(stops) != block.stop:
+    raise ConfigError(
+      f"mesh {dict(mesh.shape)}: the batch's {rows} rows (tasks_per_iteration x "
+      f"samples_per_task) are not split into one block per process over the mesh's "
+      f"(data, fsdp) axes (process {processes.index} holds rows {sorted(starts)} .. "
+      f"{sorted(stops)}, its block is {block.start} .. {block.stop}); make data x fsdp a "
+      "multiple of the processes that divides the rows"
+    )
 
 
 def _scalars(metrics: dict, prefix: str = "") -> dict[str, float]:
@@ -387,30 +442,43 @@ def refill_informative_groups(
   B are discarded with the others. k < B when the refills run out: `collate(num_rows=B x n)`
   pads the batch with invalid rows.
 
+  Many processes (`roller.processes`): which groups are informative is decided on all of them
+  (their group numbers gathered); kept group j becomes rows [j x n, (j + 1) x n) of the batch,
+  which belong to the process whose block of B holds j, so the kept groups that another process
+  played move there (one all-gather of those trajectories). Each process returns its block.
+
   Returns:
-    The kept trajectories, with `first`'s metrics (the policy's reward and rollout statistics
-    on B fresh tasks, as without dynamic sampling) and "dapo/refill_rollouts" (refills run),
-    "dapo/informative_groups" (k, the groups in the batch), "dapo/discarded_groups" (every
-    group rolled out this iteration and not in the batch).
+    The kept trajectories (this process's block of them), with `first`'s metrics (the policy's
+    reward and rollout statistics on B fresh tasks, as without dynamic sampling) and
+    "dapo/refill_rollouts" (refills run), "dapo/informative_groups" (k, the groups in the
+    batch), "dapo/discarded_groups" (every group rolled out this iteration and not in the batch).
   """
-  kept, rolled, refills, result = [], 0, 0, first
+  processes = getattr(roller, "processes", None) or distributed.Processes()
+  kept: dict[int, list] = {}  # batch position -> the group's trajectories (played here)
+  count, refills, result = 0, 0, first
   while True:
-    rolled += len({t.group for t in result.trajectories})
-    for group in informative_groups(result.trajectories):
-      if len(kept) < tasks_per_iteration:
-        kept.append([t for t in result.trajectories if t.group == group])
-    if len(kept) == tasks_per_iteration or refills == max_refills:
+    informative = processes.concat(informative_groups(result.trajectories))
+    for group in sorted(informative):
+      if count < tasks_per_iteration:
+        members = [t for t in result.trajectories if t.group == group]
+        if members:
+          kept[count] = members
+        count += 1
+    if count == tasks_per_iteration or refills == max_refills:
       break
     refills += 1
     refill_key = jax.random.fold_in(jax.random.fold_in(key, REFILL_STREAM), refills)
     result = roller.run(params, stream.take(tasks_per_iteration), samples_per_task, refill_key)
-  trajectories = [
-    dataclasses.replace(t, group=new_group) for new_group, group in enumerate(kept) for t in group
-  ]
+  if processes.count > 1:  # the groups move to the process whose rows they are
+    mine = processes.block(tasks_per_iteration)
+    moving = {j: members for j, members in kept.items() if j not in mine}
+    arrived = {j: g for part in processes.allgather(moving) for j, g in part.items() if j in mine}
+    kept = {j: kept.get(j) or arrived[j] for j in mine if j < count}
+  trajectories = [dataclasses.replace(t, group=j) for j in sorted(kept) for t in kept[j]]
   metrics = dict(first.metrics)
   metrics["dapo/refill_rollouts"] = float(refills)
-  metrics["dapo/informative_groups"] = float(len(kept))
-  metrics["dapo/discarded_groups"] = float(rolled - len(kept))
+  metrics["dapo/informative_groups"] = float(count)
+  metrics["dapo/discarded_groups"] = float((refills + 1) * tasks_per_iteration - count)
   return rollout.RolloutResult(trajectories=trajectories, metrics=metrics)
 
 
@@ -455,6 +523,8 @@ def check_oracle(config: ml_collections.ConfigDict, workdir: str) -> dict:
     raise ConfigError(str(e)) from e
   if spec.oracle is None:
     raise ConfigError(f"policy='oracle': the {config.env.name!r} environment has no oracle")
+  if jax.process_count() > 1:
+    raise ConfigError("policy='oracle' plays no model: run it as one process")
   r = config.rollout
   try:
     worker_config = build_rollout_config(r).worker_config(spec.isolation)
@@ -522,21 +592,22 @@ def _evaluate_only(config, workdir: str, program: Program, defaults=None) -> dic
   checkpointer = _checkpointer(config, workdir, defaults, read_only=True)
   iteration = 0
   try:
-    restored = _restore(checkpointer, workdir, "evaluate", state, jax.random.key(0))
+    restored = _restore(checkpointer, workdir, "evaluate", state, _replicated_key(0, program.mesh))
   finally:
     checkpointer.close()
   if restored is not None:
     iteration, state, _, _ = restored
-    _print(f"evaluating {workdir} at iteration {iteration}")
+    _print(f"evaluating {workdir} at iteration {iteration}", program)
   else:
     source = config.model.path or f"a fresh {config.model.preset}"
-    _print(f"no checkpoint in {workdir}: evaluating the initial weights ({source})")
+    _print(f"no checkpoint in {workdir}: evaluating the initial weights ({source})", program)
   eval_ids = list(program.spec.task_ids("eval"))[: config.eval.num_tasks]
   with jax.set_mesh(program.mesh):
     scores = _evaluate(program, state, eval_ids, config, iteration, config.eval.k)
   scores = {name.removeprefix("eval/"): value for name, value in scores.items()}
-  with open(os.path.join(workdir, f"eval_{iteration}.json"), "w", encoding="utf-8") as f:
-    json.dump({"iteration": iteration, **scores}, f, indent=1)
+  if program.processes.is_main:
+    with open(os.path.join(workdir, f"eval_{iteration}.json"), "w", encoding="utf-8") as f:
+      json.dump({"iteration": iteration, **scores}, f, indent=1)
   return scores
 
 
@@ -565,8 +636,9 @@ def _train(config, workdir: str, program: Program, defaults=None) -> dict[str, f
 
   checkpointer = _checkpointer(config, workdir, defaults)
   state = program.init_state()
-  rng = jax.random.key(config.seed)
+  rng = _replicated_key(config.seed, program.mesh)
   iteration, position = 0, 0
+  main = program.processes.is_main
   try:
     restored = _restore(checkpointer, workdir, "resume", state, rng)
   except BaseException:
@@ -576,20 +648,24 @@ def _train(config, workdir: str, program: Program, defaults=None) -> dict[str, f
     iteration, state, rng, progress = restored
     position = int(progress["task_position"])
     logging.info("resumed from iteration %d (task position %d)", iteration, position)
-    _print(f"resuming {workdir} from iteration {iteration}")
+    _print(f"resuming {workdir} from iteration {iteration}", program)
   stream = TaskStream(train_ids, config.seed, position)
-  # Lines of iterations after the checkpoint (a crash between logging and saving) are dropped,
-  # and torn lines wherever they are.
-  metrics_log.drop_records_from(os.path.join(workdir, "trajectories.jsonl"), iteration + 1)
-  log = metrics_log.MetricsLog(
-    workdir, tensorboard=config.log.tensorboard, resume_from=iteration + 1
-  )
-  bar = _progress_bar(config, iteration)
+  # Process 0 alone writes the logs. Lines of iterations after the checkpoint (a crash between
+  # logging and saving) are dropped, and torn lines wherever they are.
+  log, bar = None, None
+  if main:
+    metrics_log.drop_records_from(os.path.join(workdir, "trajectories.jsonl"), iteration + 1)
+    log = metrics_log.MetricsLog(
+      workdir, tensorboard=config.log.tensorboard, resume_from=iteration + 1
+    )
+    bar = _progress_bar(config, iteration)
   last: dict[str, float] = {}
   dynamic_sampling = program.learner_config.dynamic_sampling
-  # With dynamic sampling the batch keeps B x n rows, padded where informative groups ran short.
+  # With dynamic sampling the batch keeps B x n rows, padded where informative groups ran short
+  # (each process its block of them).
   num_rows = config.rollout.tasks_per_iteration * config.rollout.samples_per_task
-  num_rows = num_rows if dynamic_sampling else None
+  global_rows = num_rows
+  num_rows = num_rows // program.processes.count if dynamic_sampling else None
   try:
     with jax.set_mesh(program.mesh):
       while iteration < config.num_iterations:
@@ -599,7 +675,7 @@ def _train(config, workdir: str, program: Program, defaults=None) -> dict[str, f
         with jax.set_mesh(program.decode.mesh):  # the sampler on the decode layout
           # The key comes from the learner's (checkpointed, on the learner's mesh): replicated
           # on the decode mesh like every other input of the sampler.
-          k_rollout = jax.device_put(k_rollout, NamedSharding(program.decode.mesh, P()))
+          k_rollout = _key_on(k_rollout, program.decode.mesh)
           decode_params = program.decode(state.params)
           result = program.roller.run(
             decode_params, tasks, config.rollout.samples_per_task, k_rollout
@@ -616,13 +692,16 @@ def _train(config, workdir: str, program: Program, defaults=None) -> dict[str, f
               max_refills=program.learner_config.dapo_max_refills,
             )
         t1 = time.perf_counter()
+        # This process's rows of the batch; their length is the whole batch's.
+        longest = max((len(t.tokens) for t in result.trajectories), default=1)
         batch = rollout.collate(
           result.trajectories,
           num_turns=program.learner_config.num_turns,
           max_len=config.rollout.max_context_tokens,
           num_rows=num_rows,
+          longest=max(program.processes.allgather(longest)),
         )
-        learner.validate(batch, program.learner_config.num_turns)
+        learner.validate(batch, program.learner_config.num_turns, num_rows=global_rows)
         state, learner_metrics = program.update(
           state, learner.shard_batch(batch, program.mesh), k_update
         )
@@ -637,7 +716,8 @@ def _train(config, workdir: str, program: Program, defaults=None) -> dict[str, f
         metrics["time/env_wait_share"] = result.metrics["rollout/env_wait_time"] / (t2 - t0)
         if _due(iteration, config.eval.every, config.num_iterations):
           metrics.update(_evaluate(program, state, eval_ids, config, iteration, k))
-        log.write(iteration, metrics)
+        if log is not None:
+          log.write(iteration, metrics)
         _log_trajectories(workdir, iteration, result.trajectories, program, config.log.trajectories)
         last = metrics
         if bar is not None:
@@ -653,17 +733,34 @@ def _train(config, workdir: str, program: Program, defaults=None) -> dict[str, f
   finally:
     if bar is not None:
       bar.close()
-    log.close()
+    if log is not None:
+      log.close()
     checkpointer.close()
   _finish(config, workdir, program, state, k)
   return last
 
 
-def _print(text: str) -> None:
-  """Prints above the progress bar (tqdm.write), so the bar stays one line."""
+def _print(text: str, program: Optional[Program] = None) -> None:
+  """Prints above the progress bar (tqdm.write), so the bar stays one line; in process 0 only."""
   import tqdm  # pylint: disable=g-import-not-at-top
 
-  tqdm.tqdm.write(text)
+  if program is None or program.processes.is_main:
+    tqdm.tqdm.write(text)
+
+
+def _replicated_key(seed: int, mesh: jax.sharding.Mesh) -> jax.Array:
+  """The PRNG key of `seed`, replicated on `mesh` (with many processes a global array, as the
+  learner state it is checkpointed and used with)."""
+  return jax.jit(lambda: jax.random.key(seed), out_shardings=NamedSharding(mesh, P()))()
+
+
+def _key_on(key: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
+  """A replicated PRNG key (of the learner's mesh) replicated on `mesh` (the sampler's, this
+  process's devices): through its key data on the host, a few bytes."""
+  data = np.asarray(jax.random.key_data(key))
+  return jax.device_put(
+    jax.random.wrap_key_data(data, impl=jax.random.key_impl(key)), NamedSharding(mesh, P())
+  )
 
 
 def _due(iteration: int, every: int, total: int) -> bool:
@@ -693,31 +790,47 @@ def _evaluate(program: Program, state, eval_ids, config, iteration: int, k: int)
   out = {f"eval/{name}": value for name, value in scores.items()}
   out["time/eval"] = time.perf_counter() - t0
   row = {"iteration": iteration, **{n: v for n, v in scores.items()}}
-  _print(metrics_log.format_table([row], list(row)))
+  _print(metrics_log.format_table([row], list(row)), program)
   return out
 
 
 def _log_trajectories(workdir, iteration, trajectories, program, count: int) -> None:
-  """Appends the first `count` trajectories' text and metadata to trajectories.jsonl."""
+  """Appends the first `count` trajectories' text and metadata to trajectories.jsonl.
+
+  Many processes: the first `count` of the batch (each process's first ones gathered, in
+  process order), written by process 0.
+  """
   if count <= 0:
     return
+  records = []
+  for t in trajectories[:count]:
+    record = {"iteration": iteration, **t.metadata(), "replies": t.replies}
+    record["text"] = program.tokenizer.decode(t.tokens)
+    records.append(record)
+  records = program.processes.concat(records)[:count]
+  if not program.processes.is_main:
+    return
   with open(os.path.join(workdir, "trajectories.jsonl"), "a", encoding="utf-8") as f:
-    for t in trajectories[:count]:
-      record = {"iteration": iteration, **t.metadata(), "replies": t.replies}
-      record["text"] = program.tokenizer.decode(t.tokens)
+    for record in records:
       f.write(json.dumps(record) + "\n")
 
 
 def _finish(config, workdir: str, program: Program, state, k: int) -> None:
   """The PNG of the curves and, with save_hf, the HF export of the final policy."""
-  records = metrics_log.read_metrics(os.path.join(workdir, "metrics.jsonl"))
-  if config.log.plot and records:
-    keys = [key.format(k=1 if config.eval.greedy else k) for key in CURVE_KEYS]
-    metrics_log.plot_curves(
-      records, os.path.join(workdir, "curves.png"), keys=keys, title=config.env.name
-    )
+  main = program.processes.is_main
+  if main and config.log.plot:
+    records = metrics_log.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+    if records:
+      keys = [key.format(k=1 if config.eval.greedy else k) for key in CURVE_KEYS]
+      metrics_log.plot_curves(
+        records, os.path.join(workdir, "curves.png"), keys=keys, title=config.env.name
+      )
   if config.save_hf:
-    out = os.path.join(workdir, "hf_policy")
-    hf_checkpoint.save(state.params, program.model_config, out)
-    program.tokenizer.save_pretrained(out)
-    logging.info("saved the final policy as a HF checkpoint in %s", out)
+    params = state.params
+    if program.processes.count > 1:  # every process takes part; process 0 writes
+      params = distributed.fetch(params)
+    if main:
+      out = os.path.join(workdir, "hf_policy")
+      hf_checkpoint.save(params, program.model_config, out)
+      program.tokenizer.save_pretrained(out)
+      logging.info("saved the final policy as a HF checkpoint in %s", out)

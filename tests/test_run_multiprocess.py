@@ -1,0 +1,246 @@
+"""`experiments/run.py` as 2 processes (JAX's multi-process runtime, gloo over loopback, 2 CPU
+devices each) against 1 process of 4 devices, and a kill -9 of one process then a rerun.
+
+The 2-process run must play the 1-process run's trajectories and end with its params (the
+learner is the same SPMD program on the same 4 devices; the sampler runs per process), with one
+metrics file that holds each iteration once, written by process 0 alone.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from seeupo_jax.training import metrics_log
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_RUN = os.path.join(_ROOT, "experiments", "run.py")
+
+ITERATIONS = 3
+SMALL = (
+  "--config.env.num_dials=2",
+  "--config.rollout.max_turns=2",
+  "--config.rollout.tasks_per_iteration=2",
+  "--config.rollout.samples_per_task=2",
+  "--config.rollout.max_context_tokens=128",
+  # The sampler 2-way tensor-parallel in both runs: the same per-device programs (with 4-way in
+  # the 1-process run its log-probs round differently and the params differ by ~3e-6).
+  "--config.rollout.decode_tensor_parallel=2",
+  f"--config.num_iterations={ITERATIONS}",
+  "--config.checkpoint.every=1",
+  "--config.eval.num_tasks=3",  # not divisible by 2: process 0 plays 2 tasks, process 1 one
+  "--config.eval.k=2",
+  "--config.log.progress_bar=False",
+  "--config.log.plot=False",
+  "--config.save_hf=True",
+)
+PARAMS_TOL = dict(atol=1e-5, rtol=1e-5)
+# Timings, and numbers of the engine's schedule (per-process sessions), not of the trajectories.
+NOT_COMPARED = (
+  "rollout/time",
+  "rollout/sample_time",
+  "rollout/env_wait_time",
+  "rollout/host_time",
+  "rollout/env_wait_share",
+  "rollout/tokens_per_s",
+  "rollout/decode_steps",
+  "rollout/decode_calls",
+  "rollout/prefill_calls",
+  "rollout/slot_occupancy",
+  "rollout/decode_steps_per_token",
+  "rollout/cache_slots",
+  "rollout/cache_slots_per_live_token",
+)
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _start(workdir, num_processes: int, devices: int, logs, cache=None) -> list[subprocess.Popen]:
+  """Starts run.py as `num_processes` processes of `devices` CPU devices each."""
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  )
+  if cache is not None:  # JAX's persistent compilation cache: each program compiles once
+    env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  flags = []
+  if num_processes > 1:
+    flags = [f"--num_processes={num_processes}", f"--coordinator_address=127.0.0.1:{_free_port()}"]
+  procs = []
+  for i in range(num_processes):
+    ident = [f"--process_id={i}"] if num_processes > 1 else []
+    with open(logs / f"process{i}.log", "w") as out:
+      procs.append(
+        subprocess.Popen(
+          [sys.executable, _RUN, f"--workdir={workdir}", *SMALL, *flags, *ident],
+          cwd=_ROOT,
+          env=env,
+          stdout=out,
+          stderr=subprocess.STDOUT,
+        )
+      )
+  return procs
+
+
+def _run(workdir, num_processes: int, devices: int, cache=None, timeout=900) -> list[str]:
+  """Runs to the end; returns each process's output (also in <workdir>_logs<k>/)."""
+  k = 0
+  while (workdir.parent / f"{workdir.name}_logs{k}").exists():
+    k += 1
+  logs = workdir.parent / f"{workdir.name}_logs{k}"
+  logs.mkdir()
+  procs = _start(workdir, num_processes, devices, logs, cache)
+  deadline = time.time() + timeout
+  try:
+    for proc in procs:
+      proc.wait(timeout=max(1.0, deadline - time.time()))
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  outputs = [(logs / f"process{i}.log").read_text() for i in range(num_processes)]
+  for i, (proc, out) in enumerate(zip(procs, outputs)):
+    assert proc.returncode == 0, f"process {i} exited with {proc.returncode}:\n{out[-4000:]}"
+  return outputs
+
+
+def _records(workdir):
+  return metrics_log.read_metrics(str(workdir / "metrics.jsonl"))
+
+
+def _trajectories(workdir):
+  return [json.loads(line) for line in (workdir / "trajectories.jsonl").read_text().splitlines()]
+
+
+def _final_params(workdir) -> dict:
+  """The last checkpoint's params, restored onto one device: {path: np.ndarray}."""
+  path = workdir / "checkpoints" / str(ITERATIONS) / "train_state"
+  checkpointer = ocp.StandardCheckpointer()
+  metadata = checkpointer.metadata(str(path))
+  metadata = getattr(metadata, "item_metadata", metadata)
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), metadata)
+  state = checkpointer.restore(str(path), target)
+  return {
+    jax.tree_util.keystr(p): np.asarray(x)
+    for p, x in jax.tree_util.tree_leaves_with_path(state["params"])
+  }
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+  """The uninterrupted 2-process run (its workdir, and the compilation cache it filled)."""
+  root = tmp_path_factory.mktemp("multiprocess")
+  cache = root / "jax_cache"
+  workdir = root / "two"
+  t0 = time.perf_counter()
+  outputs = _run(workdir, 2, 2, cache)
+  print(f"2-process run: {time.perf_counter() - t0:.0f} s")
+  return workdir, cache, outputs
+
+
+@pytest.mark.slow
+def test_two_processes_play_and_learn_as_one_process_of_four_devices(two_processes, tmp_path):
+  two, cache, outputs = two_processes
+  one = tmp_path / "one"
+  _run(one, 1, 4, cache)
+
+  # One metrics file, each iteration once; the same numbers (the learner's, the trajectories'
+  # and the evaluation's, which is split 2 + 1 tasks between the processes).
+  got, want = _records(two), _records(one)
+  assert [r["iteration"] for r in got] == list(range(1, ITERATIONS + 1))
+  assert [r["iteration"] for r in want] == list(range(1, ITERATIONS + 1))
+  for g, w in zip(got, want):
+    keys = {k for k in w if k != "time" and not k.startswith("time/") and k not in NOT_COMPARED}
+    assert set(g) - {"time"} - set(NOT_COMPARED) == keys | {k for k in g if k.startswith("time/")}
+    for key in sorted(keys):
+      np.testing.assert_allclose(g[key], w[key], err_msg=key, **PARAMS_TOL)
+  assert {"reward", "loss", "grad_norm", "eval/avg@2", "eval/pass@2"} <= set(got[-1])
+  assert got[-1]["rollout/trajectories"] == 4.0 and got[-1]["eval/tasks"] == 3.0
+
+  # The same trajectories, token for token (the log holds the first 2 of each iteration).
+  assert len(_trajectories(one)) == 2 * ITERATIONS
+  assert _trajectories(two) == _trajectories(one)
+
+  # The same params after 3 updates.
+  expected = _final_params(one)
+  for name, value in _final_params(two).items():
+    np.testing.assert_allclose(value, expected[name], err_msg=name, **PARAMS_TOL)
+
+  # Process 0 alone wrote the logs: one TensorBoard writer, no error log; process 1 printed
+  # no evaluation table.
+  events = [p for p in (two / "tensorboard").iterdir() if p.name.startswith("events.out")]
+  assert len(events) == 1, events
+  assert not list(two.glob("error*.log"))
+  assert "avg@2" in outputs[0] and "avg@2" not in outputs[1]
+  assert (two / "hf_policy" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_kill_minus_9_of_one_process_then_rerun_ends_like_the_uninterrupted_run(
+  two_processes, tmp_path
+):
+  whole, cache, _ = two_processes
+  killed = tmp_path / "killed"
+  logs = tmp_path / "killed_logs_before_the_kill"
+  logs.mkdir()
+  # The cache holds every program of this config already (the uninterrupted run's): the run
+  # that gets killed only reads it, so the kill cannot leave half an entry behind.
+  procs = _start(killed, 2, 2, logs, cache)
+  try:
+    deadline = time.time() + 600
+    while not (killed / "checkpoints" / "1").exists():  # orbax renames a finished save in place
+      assert all(p.poll() is None for p in procs), "a process ended before the kill"
+      assert time.time() < deadline, "no checkpoint in time"
+      time.sleep(0.05)
+    procs[1].send_signal(signal.SIGKILL)
+    procs[1].wait()
+    # The survivor is stuck in (or fails at) its next collective with the dead process: it
+    # must not finish the run. It is killed too, as a cluster manager would.
+    t0 = time.perf_counter()
+    try:
+      procs[0].wait(timeout=20)
+      print(f"the survivor exited with {procs[0].returncode} {time.perf_counter() - t0:.1f} s on")
+    except subprocess.TimeoutExpired:
+      print("the survivor was still running 20 s on: killed")
+      procs[0].send_signal(signal.SIGKILL)
+      procs[0].wait()
+    assert procs[0].returncode != 0
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  assert not (killed / "hf_policy").exists()
+  done = [int(d) for d in os.listdir(killed / "checkpoints") if d.isdigit()]
+  assert 1 <= max(done) < ITERATIONS, done
+
+  outputs = _run(killed, 2, 2, cache)
+  assert f"resuming {killed} from iteration {max(done)}" in outputs[0]
+  # Each iteration once in the one metrics file, the same numbers, trajectories and final
+  # params (the HF export, bit for bit) as the run that never stopped.
+  strip = lambda records: [  # noqa: E731
+    {k: v for k, v in r.items() if k != "time" and not k.startswith(("time/", "rollout/"))}
+    for r in records
+  ]
+  records = _records(killed)
+  assert [r["iteration"] for r in records] == list(range(1, ITERATIONS + 1))
+  assert strip(records) == strip(_records(whole))
+  assert _trajectories(killed) == _trajectories(whole)
+  a = (whole / "hf_policy" / "model.safetensors").read_bytes()
+  b = (killed / "hf_policy" / "model.safetensors").read_bytes()
+  assert a == b
