@@ -264,16 +264,39 @@ def dynamic_loops(hlo_text: str) -> list[str]:
   ]
 
 
+def _reachable(computations: dict, start: str) -> set[str]:
+  """The computations that `start` runs, directly or through calls and loops (itself included)."""
+  seen, stack = set(), [start]
+  while stack:
+    name = stack.pop()
+    if name in seen:
+      continue
+    seen.add(name)
+    for instruction in computations.get(name, []):
+      stack.extend(callee for callee, _ in _called(instruction))
+  return seen
+
+
 def dynamic_loop(hlo_text: str) -> str:
-  """The body of the program's one loop without a known trip count.
+  """The body of the program's outermost loop without a known trip count: the one no other
+  such loop runs (e.g. the sampler's decode loop, which runs the paged attention's loop over
+  page blocks, whose trip count follows the rows' lengths, in every step; `collectives` counts
+  the inner loop's ops once per outer iteration).
 
   Raises:
-    ValueError: there are none or several.
+    ValueError: there are none, or several outermost ones.
   """
+  computations, _, _ = parse(hlo_text)
   bodies = dynamic_loops(hlo_text)
-  if len(bodies) != 1:
-    raise ValueError(f"expected one while loop without a known trip count, found {len(bodies)}")
-  return bodies[0]
+  nested = set()
+  for body in bodies:
+    nested |= _reachable(computations, body) - {body}
+  outermost = [body for body in bodies if body not in nested]
+  if len(outermost) != 1:
+    raise ValueError(
+      f"expected one outermost while loop without a known trip count, found {len(outermost)}"
+    )
+  return outermost[0]
 
 
 def collectives(hlo_text: str, root: Optional[str] = None) -> list[Collective]:

@@ -78,7 +78,42 @@ ENTRY %main (a: f32[16,4], b: f32[4,4]) -> f32[16,4] {
 """
 
 
+# The same program with a loop without a known trip count inside each layer (as the paged
+# attention's walk over page blocks, whose trip count follows the rows' lengths).
+_BLOCKS = """
+%blk_body (b: (s32[])) -> (s32[]) {
+  %b = (s32[]) parameter(0)
+  ROOT %bt = (s32[]) tuple(%b)
+}
+
+%blk_cond (b: (s32[])) -> pred[] {
+  %b = (s32[]) parameter(0)
+  %bi = s32[] get-tuple-element(%b), index=0
+  ROOT %blt = pred[] compare(%bi, %bi), direction=LT
+}
+"""
+_HLO_NESTED = _HLO.replace("%layer_body (p:", _BLOCKS.lstrip() + "\n%layer_body (p:").replace(
+  "  ROOT %t = (s32[], f32[16,4]{1,0}) tuple(%i, %w)",
+  "  %blk = (s32[]) tuple(%i)\n"
+  "  %while.3 = (s32[]) while(%blk), condition=%blk_cond, body=%blk_body\n"
+  "  ROOT %t = (s32[], f32[16,4]{1,0}) tuple(%i, %w)",
+)
+
+
 class HloCollectivesTest(parameterized.TestCase):
+  def test_the_decode_loop_is_the_outermost_loop_without_a_trip_count(self):
+    self.assertEqual(sorted(hlo_collectives.dynamic_loops(_HLO_NESTED)), ["blk_body", "step_body"])
+    self.assertEqual(hlo_collectives.dynamic_loop(_HLO_NESTED), "step_body")
+    ops = hlo_collectives.collectives(_HLO_NESTED, "step_body")
+    self.assertEqual({op.name for op in ops}, {"all-gather.1", "all-reduce.1", "all-reduce.2"})
+    two = _HLO.replace(
+      "%while.2 = ",
+      "%while.4 = (s32[], f32[16,4]{1,0}, bf16[8]{0}) while("
+      "%tuple.2), condition=%step_cond, body=%step_body\n  %while.2 = ",
+    )
+    with self.assertRaisesRegex(ValueError, "found 2"):
+      hlo_collectives.dynamic_loop(two)
+
   def test_one_decode_step_counts_the_layer_loop_trips(self):
     body = hlo_collectives.dynamic_loop(_HLO)
     self.assertEqual(body, "step_body")
