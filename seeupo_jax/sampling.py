@@ -504,11 +504,13 @@ def decode_loop(
   model_config: ModelConfig,
   sampling_config: SamplingConfig,
   constrain: Callable[[qwen.PagedKVCache], qwen.PagedKVCache],
-) -> DecodeRows:
+) -> tuple[DecodeRows, jax.Array]:
   """`decode_step` under `lax.while_loop`, `num_steps` times or until no row decodes.
 
   A decoding row writes one token per step at its own position: the page table must give
   each decoding row room for positions lengths[b] .. lengths[b] + num_steps - 1.
+
+  Returns (the rows after the loop, int32 scalar: the steps run).
   """
 
   def go_on(carry):
@@ -527,8 +529,8 @@ def decode_loop(
     )
     return i + 1, rows
 
-  _, rows = jax.lax.while_loop(go_on, body, (jnp.zeros((), jnp.int32), rows))
-  return rows
+  steps, rows = jax.lax.while_loop(go_on, body, (jnp.zeros((), jnp.int32), rows))
+  return rows, steps
 
 
 def _stops_and_limits(
@@ -622,7 +624,7 @@ def _sample(
     stops,
     sampling_config=sc,
   )
-  rows = decode_loop(
+  rows, _ = decode_loop(
     params,
     rows,
     page_table,
@@ -825,25 +827,16 @@ def _prefill_program(
 def _decode_program(
   params, rows: DecodeRows, page_table, *, num_steps, model_config, sampling_config, constrain
 ):
-  """(rows after up to `num_steps` decode steps, int32 steps run)."""
-
-  def go_on(carry):
-    i, rows = carry
-    return (i < num_steps) & jnp.any(rows.decoding)
-
-  def body(carry):
-    i, rows = carry
-    return i + 1, decode_step(
-      rows,
-      params,
-      page_table,
-      model_config=model_config,
-      sampling_config=sampling_config,
-      constrain=constrain,
-    )
-
-  steps, rows = jax.lax.while_loop(go_on, body, (jnp.zeros((), jnp.int32), rows))
-  return rows, steps
+  """(rows after up to `num_steps` decode steps, int32 steps run): `decode_loop`."""
+  return decode_loop(
+    params,
+    rows,
+    page_table,
+    num_steps,
+    model_config=model_config,
+    sampling_config=sampling_config,
+    constrain=constrain,
+  )
 
 
 _STATICS = ("model_config", "sampling_config", "cache_sharding")
