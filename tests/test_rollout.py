@@ -296,6 +296,11 @@ def test_environments_run_in_parallel_and_wait_share_is_measured(params, chat, t
   assert wall < 3.0
   assert 0.35 < result.metrics["rollout/env_wait_time"] < wall
   assert 0 < result.metrics["rollout/env_wait_share"] < 1
+  # Sampling, env wait and host time are disjoint parts of the call (the env wait inside the
+  # host's hand-offs counted once): they sum to at most the call's own wall time.
+  m = result.metrics
+  parts = m["rollout/sample_time"] + m["rollout/env_wait_time"] + m["rollout/host_time"]
+  assert parts <= m["rollout/time"] <= wall
 
 
 def test_synthetic_rollout_scores_match_the_replies(params, chat, tok):

@@ -289,17 +289,39 @@ def _two_checkpoints(directory):
 @pytest.mark.parametrize(
   "damage,cause",
   [
-    (lambda d: _truncate(_data_file(os.path.join(d, "2"))), "OUT_OF_RANGE"),
-    (lambda d: shutil.rmtree(os.path.join(d, "2", "manifest")), 'Item "manifest" was not found'),
-    (lambda d: _truncate(os.path.join(d, "2", "progress", "metadata")), "JSONDecodeError"),
+    (lambda d: _truncate(_data_file(os.path.join(d, "2"))), "bytes, {size} when saved"),
+    (lambda d: shutil.rmtree(os.path.join(d, "2", "manifest")), "manifest/metadata is missing"),
+    (
+      lambda d: _truncate(os.path.join(d, "2", "progress", "metadata")),
+      "progress/metadata has",
+    ),
+    # Without the size record (an older checkpoint), orbax's reads find the damage.
+    (lambda d: _without_record(d) or _truncate(_data_file(os.path.join(d, "2"))), "OUT_OF_RANGE"),
+    (
+      lambda d: _without_record(d) or shutil.rmtree(os.path.join(d, "2", "manifest")),
+      'Item "manifest" was not found',
+    ),
+    (
+      lambda d: _without_record(d) or _truncate(os.path.join(d, "2", "progress", "metadata")),
+      "JSONDecodeError",
+    ),
   ],
-  ids=["truncated-data", "manifest-deleted", "truncated-progress"],
+  ids=[
+    "truncated-data",
+    "manifest-deleted",
+    "truncated-progress",
+    "truncated-data-no-record",
+    "manifest-deleted-no-record",
+    "truncated-progress-no-record",
+  ],
 )
 def test_an_unreadable_latest_checkpoint_falls_back_and_is_moved_aside(
   tmp_path, caplog, damage, cause
 ):
   directory = str(tmp_path / "ckpt")
   _two_checkpoints(directory)
+  size = os.path.getsize(_data_file(os.path.join(directory, "2")))
+  cause = cause.format(size=size)
   damage(directory)
   damaged = _tree_bytes(os.path.join(directory, "2"))
   with caplog.at_level(logging.WARNING), checkpoints.Checkpointer(directory, every=1) as ckpt:
@@ -316,6 +338,33 @@ def test_an_unreadable_latest_checkpoint_falls_back_and_is_moved_aside(
   assert _tree_bytes(os.path.join(directory, "2.unreadable")) == damaged  # kept as it was
   with checkpoints.Checkpointer(directory, every=1) as ckpt:
     assert ckpt.restore_latest(*_abstract())[3] == {"at": 2}
+
+
+def _without_record(directory):
+  os.remove(os.path.join(directory, "2", checkpoints.FILE_SIZES))
+
+
+def test_the_size_record_lists_every_file_of_the_checkpoint_and_checks_them(tmp_path):
+  directory = str(tmp_path / "ckpt")
+  _two_checkpoints(directory)
+  where = os.path.join(directory, "2")
+  with open(os.path.join(where, checkpoints.FILE_SIZES)) as f:
+    recorded = json.load(f)["sizes"]
+  on_disk = {
+    os.path.relpath(os.path.join(root, name), where): os.path.getsize(os.path.join(root, name))
+    for root, _, names in os.walk(where)
+    for name in names
+    if name != checkpoints.FILE_SIZES
+  }
+  assert recorded == on_disk and len(recorded) > 5
+  assert checkpoints.check_file_sizes(where)
+  data = _data_file(where)
+  with open(data, "ab") as f:  # one byte more is a change too
+    f.write(b"\0")
+  with pytest.raises(checkpoints.CheckpointFilesChanged, match="1 of its"):
+    checkpoints.check_file_sizes(where)
+  _without_record(directory)
+  assert not checkpoints.check_file_sizes(where)
 
 
 def test_no_readable_checkpoint_is_an_error_and_nothing_is_moved(tmp_path):
@@ -474,8 +523,9 @@ def test_check_config_takes_a_key_absent_from_the_checkpoint_at_its_default():
 
 def _drop_saved_key(workdir, section, key):
   """Removes `section.key` from the config in every checkpoint's manifest (as a checkpoint
-  written before the key was added)."""
+  written before the key was added, and before the size record)."""
   for iteration in ("1", "2"):
+    os.remove(os.path.join(workdir, "checkpoints", iteration, checkpoints.FILE_SIZES))
     path = os.path.join(workdir, "checkpoints", iteration, "manifest", "metadata")
     with open(path) as f:
       manifest = json.load(f)

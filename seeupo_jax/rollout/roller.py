@@ -482,12 +482,14 @@ class Roller:
     barrier = self.config.scheduler == "turns"
     self.policy.begin(params)
     while self._pending or self._live:
-      t_host = time.perf_counter()
+      t_host, waited_before = time.perf_counter(), self._timers.env_wait
       at_barrier = barrier and self._in_flight == 0 and not self.policy.busy
       if not barrier or at_barrier:
         self._admit()
       self._take_env_results(barrier, at_barrier)
-      self._timers.host += time.perf_counter() - t_host
+      # The host's time, less the env wait inside (counted once, as env wait).
+      waited = self._timers.env_wait - waited_before
+      self._timers.host += time.perf_counter() - t_host - waited
       t_sample = time.perf_counter()
       self.policy.prefill()
       replies = self.policy.decode()

@@ -19,6 +19,13 @@ checkpoints as they were; the leftover temporary directory is ignored by `restor
 deleted when the next `Checkpointer` that owns the directory opens it (not `read_only`: the
 trainer, which holds the workdir's lock, so no other save is under way).
 
+When a save is complete, the primary process records the size of every file of the checkpoint
+in `<iteration>/file_sizes.json`; before orbax reads a checkpoint, its files are compared with
+that record, so a truncated, emptied or deleted file (a crash, a full disk, a partial copy) is
+found at once, without starting orbax's concurrent reads (which, abandoned, print tracebacks from
+their threads). A checkpoint without the record (written before it, or killed between orbax's
+rename and the record) is only checked by reading it.
+
 A checkpoint that cannot be read (a truncated or deleted file, a missing item) is skipped with a
 one-line warning naming it, and `restore_latest` restores the newest one that reads; unless
 `read_only`, the unreadable newer ones are then moved aside to `<iteration>.unreadable` (kept
@@ -38,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging as std_logging
 import os
 import sys
 from typing import Any, Mapping, Optional, Sequence
@@ -57,6 +65,8 @@ MANIFEST_FORMAT = 1
 _STATE, _RNG, _PROGRESS, _MANIFEST = "train_state", "rng", "progress", "manifest"
 _KEY_DATA = "key_data"  # orbax's StandardSave takes trees, not single arrays
 UNREADABLE_SUFFIX = ".unreadable"
+FILE_SIZES = "file_sizes.json"
+"""The record, in each checkpoint directory, of its files' sizes in bytes when saved."""
 
 
 class CheckpointsUnreadable(RuntimeError):
@@ -276,21 +286,103 @@ def _one_line(error: BaseException, limit: int = 300) -> str:
   return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+class _AbandonedReadsToDebug(std_logging.Filter):
+  """Demotes asyncio's "Task exception was never retrieved" records (with their tracebacks) to
+  one debug line."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    if record.getMessage().startswith("Task exception was never retrieved"):
+      logging.debug("while reading a checkpoint: %s", record.exc_info and record.exc_info[1])
+      return False
+    return True
+
+
+class CheckpointFilesChanged(ValueError):
+  """A checkpoint's files differ from the sizes recorded when it was saved."""
+
+
+def _file_sizes(directory: str) -> dict[str, int]:
+  """{path relative to `directory`: size in bytes} of every file under it (not the record)."""
+  sizes = {}
+  for root, _, names in os.walk(directory):
+    for name in names:
+      path = os.path.join(root, name)
+      relative = os.path.relpath(path, directory)
+      if relative != FILE_SIZES:
+        sizes[relative] = os.path.getsize(path)
+  return sizes
+
+
+def _write_file_sizes(directory: str) -> None:
+  """Writes `directory/file_sizes.json` (atomically: a temporary file renamed)."""
+  record = {"format": 1, "sizes": _file_sizes(directory)}
+  temporary = os.path.join(directory, FILE_SIZES + ".tmp")
+  with open(temporary, "w") as f:
+    json.dump(record, f, sort_keys=True)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(temporary, os.path.join(directory, FILE_SIZES))
+
+
+def check_file_sizes(directory: str) -> bool:
+  """Compares a checkpoint's files with the sizes recorded when it was saved.
+
+  Args:
+    directory: one checkpoint's directory (`<checkpoints>/<iteration>`).
+
+  Returns:
+    True if the record exists and every recorded file has its size; False if there is no
+    record (nothing checked). Files added since are allowed (a later orbax version's metadata).
+
+  Raises:
+    CheckpointFilesChanged: a recorded file is missing or has another size (the message names
+      the first few), or the record itself is unreadable.
+  """
+  path = os.path.join(directory, FILE_SIZES)
+  if not os.path.exists(path):
+    return False
+  try:
+    with open(path) as f:
+      recorded = json.load(f)["sizes"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise CheckpointFilesChanged(f"its record {path} is unreadable: {_one_line(e)}") from None
+  changed = []
+  for relative, size in sorted(recorded.items()):
+    file = os.path.join(directory, relative)
+    if not os.path.isfile(file):
+      changed.append(f"{relative} is missing")
+    elif os.path.getsize(file) != size:
+      changed.append(f"{relative} has {os.path.getsize(file)} bytes, {size} when saved")
+  if changed:
+    more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+    raise CheckpointFilesChanged(
+      f"{len(changed)} of its {len(recorded)} files changed since the save: "
+      + "; ".join(changed[:3])
+      + more
+    )
+  return True
+
+
 @contextlib.contextmanager
 def _unraisable_to_log():
-  """Logs (at debug level) instead of printing the "Exception ignored in <coroutine>" tracebacks
-  of orbax's other reads, abandoned when one read of an unreadable checkpoint fails."""
+  """Logs (at debug level) instead of printing the tracebacks of orbax's other reads, abandoned
+  when one read of an unreadable checkpoint fails: "Exception ignored in <coroutine>" (Python's
+  unraisable hook) and "Task exception was never retrieved" (asyncio's logger)."""
   previous = sys.unraisablehook
+  asyncio_logger = std_logging.getLogger("asyncio")
+  asyncio_filter = _AbandonedReadsToDebug()
 
   def hook(unraisable):
     logging.debug("while reading a checkpoint: %s", unraisable.exc_value)
 
   sys.unraisablehook = hook
+  asyncio_logger.addFilter(asyncio_filter)
   try:
     yield
   finally:
-    gc.collect()  # the abandoned coroutines go now, while the hook is in place
+    gc.collect()  # the abandoned coroutines and tasks go now, while the hook is in place
     sys.unraisablehook = previous
+    asyncio_logger.removeFilter(asyncio_filter)
 
 
 class Checkpointer:
@@ -413,6 +505,8 @@ class Checkpointer:
     )
     saved = self._manager.save(iteration, args=args, force=True)
     self._manager.wait_until_finished()
+    if saved and jax.process_index() == 0:
+      _write_file_sizes(self._where(iteration))
     return bool(saved)
 
   def _manifest(self, iteration: int) -> dict[str, Any]:
@@ -514,22 +608,25 @@ class Checkpointer:
     unreadable: list[tuple[int, str]] = []
     for iteration in reversed(iterations):
       where = self._where(iteration)
-      error = None
+      message = None
       with _unraisable_to_log():
+        # Only the error's one line leaves this block: the exception's traceback holds the
+        # frames of orbax's abandoned reads, which must be collected while the hook is in place.
         try:
+          check_file_sizes(where)
           manifest = self._manifest(iteration)
         except Exception as e:  # pylint: disable=broad-exception-caught
-          error = e
+          message = _one_line(e)
         else:
           self._check(manifest, abstract_train_state, abstract_rng, where)  # refuses, not skips
           try:
             restored = self._restore(iteration, abstract_train_state, abstract_rng)
           except Exception as e:  # pylint: disable=broad-exception-caught
-            error = e
-      if error is None:
+            message = _one_line(e)
+      if message is None:
         self._set_aside_all(unreadable, iteration)
         return restored
-      unreadable.append((iteration, _one_line(error)))
+      unreadable.append((iteration, message))
       logging.warning("checkpoint %s is unreadable, skipped: %s", where, unreadable[-1][1])
     if unreadable:
       raise CheckpointsUnreadable(
