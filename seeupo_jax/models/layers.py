@@ -354,6 +354,8 @@ class PagedMask:
   lengths:     int32[B], each row's cached tokens (positions < lengths[b] are attended).
   new_allowed: bool[B, S, S], new token s may attend to new token s'.
   num_blocks:  int32 scalar, blocks of pages to visit (enough for the longest row).
+  layer:       int32 scalar, the layer whose pool to read in the stacked pools (each layer
+               gets the mask with its own index: `replace(layer=i)`).
   pages_per_block: static, pages per attention block.
   """
 
@@ -361,6 +363,7 @@ class PagedMask:
   lengths: jax.Array
   new_allowed: jax.Array
   num_blocks: jax.Array
+  layer: jax.Array
   pages_per_block: int = flax.struct.field(pytree_node=False, default=4)
 
 
@@ -387,16 +390,18 @@ def paged_attend(
   Args:
     q: [B, S, H, hd] queries of the new tokens (after RoPE).
     k, v: [B, S, K, hd] keys (after RoPE) and values of the new tokens.
-    pool_k, pool_v: [pages, K, page_size, hd] this layer's page pool.
+    pool_k, pool_v: [L, pages, K, page_size, hd] every layer's page pool; the blocks of
+      layer `paged.layer` are gathered straight from the stack (a slice of the layer's whole
+      pool first would copy it, every layer of every decode step).
     paged: the `PagedMask`.
 
   Returns:
     [B, S, H * hd] in q's dtype.
   """
-  chex.assert_rank([q, k, v, pool_k, pool_v], [4, 4, 4, 4, 4])
+  chex.assert_rank([q, k, v, pool_k, pool_v], [4, 4, 4, 5, 5])
   qh, kh, vh = _to_heads(q, k, v)
   b, kv, g, s, hd = qh.shape
-  page = pool_k.shape[2]
+  page = pool_k.shape[3]
   ppb = paged.pages_per_block
   block = ppb * page
 
@@ -419,8 +424,8 @@ def paged_attend(
     )
     return m_new, l, o
 
-  def read(pool, pages):  # [pages, K, page, hd] x int32[B, ppb] -> [B, K, ppb * page, hd]
-    rows = jnp.take(pool, pages, axis=0)
+  def read(pool, pages):  # [L, pages, K, page, hd] x int32[B, ppb] -> [B, K, ppb * page, hd]
+    rows = pool[paged.layer, pages]  # one gather of the block's pages: [B, ppb, K, page, hd]
     return rows.transpose(0, 2, 1, 3, 4).reshape(b, kv, block, hd)
 
   def past_block(j, carry):
@@ -472,7 +477,8 @@ class Attention(nn.Module):
         True where new token s may attend to cache slot t (t < T) or to new
         token t - T (see `cached_attend`).
       past_k, past_v: optional [B, K, T, hd] this layer's cache, head-major;
-        read only (the caller stores the returned k/v).
+        read only (the caller stores the returned k/v). With a `PagedMask`, every
+        layer's page pools [L, pages, K, page_size, hd] (`paged_attend`).
 
     Returns:
       (out [B, S, D], k [B, S, K, hd], v [B, S, K, hd]): the new tokens' keys

@@ -154,24 +154,34 @@ def _run_layers(params, x, cos, sin, mask, cache, config):
   The cache (a `KVCache` or a `PagedKVCache`) is read only: each layer attends over its
   cached slots and the S new tokens, and returns the new tokens' keys/values; the caller
   writes all layers' at once (one in-place update instead of a copy of the cache per
-  layer). With a `PagedKVCache` each layer gets its page pool and a `layers.PagedMask`.
+  layer). With a `PagedKVCache` each layer gets the whole stack of page pools and a
+  `layers.PagedMask` naming its layer (the attention gathers its pages from the stack; a
+  per-layer slice of the pool would be a copy of it per layer and decode step).
 
   Returns:
     (x [B, S, D], new_k, new_v), new_k/new_v [L, B, S, K, hd] (None without cache).
   """
   layer_fn = _layer_fn(config)
 
+  paged = isinstance(cache, PagedKVCache)
+
   def decoder_step(x, layer):
     """One block over this layer's (read-only) cache; emits the new tokens' k/v."""
     layer_params, past_k, past_v = layer
-    x, k, v = layer_fn(layer_params, x, cos, sin, mask, past_k, past_v)
+    if paged:  # past_k is the layer's index; the pools stay stacked
+      layer_mask, past_k, past_v = mask.replace(layer=past_k), cache.keys, cache.values
+    else:
+      layer_mask = mask
+    x, k, v = layer_fn(layer_params, x, cos, sin, layer_mask, past_k, past_v)
     return x, (None if past_k is None else (k, v))
 
-  stacked = (
-    (params["layers"], None, None)
-    if cache is None
-    else (params["layers"], cache.keys, cache.values)
-  )
+  if cache is None:
+    stacked = (params["layers"], None, None)
+  elif paged:
+    index = jnp.arange(config.num_layers, dtype=jnp.int32)
+    stacked = (params["layers"], index, index)
+  else:
+    stacked = (params["layers"], cache.keys, cache.values)
   if config.scan_layers:
     x, new_kv = jax.lax.scan(decoder_step, x, stacked)
   else:
@@ -302,6 +312,7 @@ def paged_hidden_states(
     lengths=lengths,
     new_allowed=causal[None] & token_valid[:, None, :],
     num_blocks=(jnp.max(reading) + ppb * page - 1) // (ppb * page),
+    layer=jnp.zeros((), jnp.int32),  # each layer's own index, set by `_run_layers`
     pages_per_block=ppb,
   )
   x, new_k, new_v = _run_layers(params, x, cos, sin, mask, cache, config)
