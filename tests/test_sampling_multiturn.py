@@ -352,3 +352,41 @@ def test_page_accounting_and_release(batch):
     session.release(r)
   assert session.cache_slots == 0 and session.live_tokens == 0 and not session.busy
   assert sorted(session._free) == list(range(1, pool))  # every page but the scratch page
+
+
+def test_no_decode_step_copies_a_layer_s_page_pool(model):
+  """The decode program reads a layer's cache only block by block, gathered from the stacked
+  pools: no instruction of the compiled program produces one layer's whole pool (a slice of it
+  is a copy, every layer of every step: the step's cost then grows with the pool, used or not).
+  The stacked pools themselves appear (the program's inputs and the in-place scatter)."""
+  cfg, params = model
+  pages = 37  # a pool size that no other dimension of the program has
+  session = sampling.SamplerSession(
+    cfg, SAMPLE_CFG, dataclasses.replace(BATCH, initial_pages=pages)
+  )
+  session.give(0, _tokens(11, 5), _key(9, 0), 4)
+  session.prefill(params)
+  session.rows = jax.block_until_ready(session.rows)
+  hlo = (
+    sampling._decode_jit.lower(
+      params,
+      session.rows,
+      session._page_table(),
+      num_steps=K,
+      model_config=session.model_config,
+      sampling_config=SAMPLE_CFG,
+      cache_sharding=None,
+    )
+    .compile()
+    .as_text()
+  )
+  kv, hd = cfg.num_kv_heads, cfg.head_dim
+  one_layer = f"[{pages},{kv},{PAGE},{hd}]"
+  stacked = f"[{cfg.num_layers},{pages},{kv},{PAGE},{hd}]"
+  assert stacked in hlo
+  producers = [
+    line.strip()[:160]
+    for line in hlo.splitlines()
+    if "=" in line and one_layer in line.split("=", 1)[1].split("(", 1)[0]
+  ]
+  assert producers == [], producers

@@ -425,7 +425,10 @@ def paged_attend(
     return m_new, l, o
 
   def read(pool, pages):  # [L, pages, K, page, hd] x int32[B, ppb] -> [B, K, ppb * page, hd]
-    rows = pool[paged.layer, pages]  # one gather of the block's pages: [B, ppb, K, page, hd]
+    # One gather of the block's pages from the pools seen as [L * pages, K, page, hd] (a
+    # bitcast): [B, ppb, K, page, hd].
+    flat = pool.reshape((-1,) + pool.shape[2:])
+    rows = jnp.take(flat, paged.layer * pool.shape[1] + pages, axis=0)
     return rows.transpose(0, 2, 1, 3, 4).reshape(b, kv, block, hd)
 
   def past_block(j, carry):
