@@ -697,10 +697,12 @@ class SessionConfig:
   page_size: slots per KV page. A row holds ceil(its tokens / page_size) pages (plus room for
       the next `decode_steps_per_sync` tokens while it decodes); pages return to the pool when
       the row is released.
-  prefill_chunk: C, the width of every prefill call: the most tokens of one row written per
-      call (a longer input is written over several calls, each with decode steps of the other
-      rows). One width, so that a row's tokens and log-probs do not depend on what else was
-      prefilled with it (bit-exact whatever the timing).
+  prefill_chunk: C, the widest prefill call: the most tokens of one row written per call (a
+      longer input is written over several calls, each with decode steps of the other rows).
+      Calls come in the widths `prefill_widths(C)` (C / 16, C / 4, C; those >= 8), a row's
+      chunk in the smallest that holds it: the width depends on the row's own tokens only, so
+      a row's tokens and log-probs do not depend on what else was prefilled with it
+      (bit-exact whatever the timing).
   prefill_rows: R, the rows of every prefill call (more rows with tokens: several calls).
   decode_steps_per_sync: k, decode steps per decode call: the host reads the rows' state
       (finished replies) once per k steps, never per token; a call ends early when no row
@@ -762,12 +764,12 @@ class SessionStats:
   pool_pages: int = 0
 
 
-def _pow2_bucket(n: int, minimum: int = 1, factor: int = 2) -> int:
-  """The smallest minimum x factor^i >= n."""
-  size = minimum
-  while size < n:
-    size *= factor
-  return size
+def prefill_widths(chunk: int) -> tuple[int, ...]:
+  """The widths of a session's prefill calls: C / 16, C / 4 and C (C = `prefill_chunk`),
+  those >= 8, ascending. A row's chunk of L tokens goes in a call of the smallest width >= L,
+  so a short observation does not pay for C tokens, and a run compiles at most 3 prefill
+  programs per pool size."""
+  return tuple(sorted({w for w in (chunk // 16, chunk // 4) if w >= 8} | {chunk}))
 
 
 def _prefill_program(
@@ -890,11 +892,11 @@ class SamplerSession:
   rows, their positions, the page pool (grown by doubling when it runs out), the page
   table, and the insertion of new tokens (chunked `prefill`). Two kinds of compiled program:
 
-      prefill(R = prefill_rows rows, C = prefill_chunk tokens each)
+      prefill(R = prefill_rows rows, W tokens each; W in prefill_widths(prefill_chunk))
       decode(k steps of all S rows)
 
-  each also keyed by the pool size: one shape per program, so a row's tokens and log-probs
-  are the same bits whatever else shares its calls. The page table has one width (the most pages a row can need); attention visits
+  each also keyed by the pool size; a row's prefill width follows from its own chunk, so a
+  row's tokens and log-probs are the same bits whatever else shares its calls. The page table has one width (the most pages a row can need); attention visits
   only the blocks of pages the longest live row fills. The programs are module-level: sessions of the same
   configs share them.
 
@@ -936,6 +938,7 @@ class SamplerSession:
     self._decode = functools.partial(_decode_jit, num_steps=config.decode_steps_per_sync, **statics)
     self._prefill = functools.partial(_prefill_jit, **statics)
     self._grow = functools.partial(_grow_jit, cache_sharding=cache_sharding)
+    self.prefill_widths = prefill_widths(config.prefill_chunk)
     self._staged: list[tuple] = []  # prefill calls' inputs, run by the next decode call
     self.stats = SessionStats()
     self.rows: Optional[DecodeRows] = None
@@ -1051,12 +1054,22 @@ class SamplerSession:
     todo = [r for r in range(cfg.rows) if self._input[r]]
     if not todo:
       return 0
-    # One shape for every prefill call, R rows x C tokens: a row's numbers do not depend on
-    # what else was prefilled with it (a wider or taller call changes the float rounding of
-    # its matmuls). More rows than R: several calls.
-    n, width = min(cfg.prefill_rows, cfg.rows), cfg.prefill_chunk
+    # R rows a call, and a width that is a function of the row's own chunk alone (the
+    # smallest of `prefill_widths` that holds it): a row's numbers do not depend on what
+    # else was prefilled with it, or when (a wider or taller call changes the float
+    # rounding of its matmuls). Rows of one width share calls; more than R: several calls.
+    n = min(cfg.prefill_rows, cfg.rows)
+    by_width: dict[int, list[int]] = {}
+    for r in todo:
+      chunk_len = min(len(self._input[r]), cfg.prefill_chunk)
+      width = next(w for w in self.prefill_widths if w >= chunk_len)
+      by_width.setdefault(width, []).append(r)
     written = 0
-    for start in range(0, len(todo), n):
+    for width, start, group in (
+      (width, start, rows)
+      for width, rows in sorted(by_width.items())
+      for start in range(0, len(rows), n)
+    ):
       row_ids = np.full((n,), cfg.rows, np.int32)
       fresh = np.zeros((n,), bool)
       ids = np.zeros((n, width), np.int32)
@@ -1064,7 +1077,7 @@ class SamplerSession:
       begin = np.zeros((n,), bool)
       keys = np.zeros((n, 2), np.uint32)
       limits = np.zeros((n,), np.int32)
-      for i, r in enumerate(todo[start : start + n]):
+      for i, r in enumerate(group[start : start + n]):
         chunk = self._input[r][:width]
         self._input[r] = self._input[r][len(chunk) :]
         self._reserve(r, int(self._lengths[r]) + len(chunk))
