@@ -81,7 +81,9 @@ def main():
 
   model_config = config_lib.get_preset(args.preset)
   params = jax.jit(qwen.init_params, static_argnums=0)(model_config, jax.random.key(0))
-  prepared = {pages: prepared_session(model_config, params, args, pages) for pages in args.pool_pages}
+  prepared = {
+    pages: prepared_session(model_config, params, args, pages) for pages in args.pool_pages
+  }
   best = {pages: float("inf") for pages in prepared}
   for _ in range(args.repeats + 1):  # the first round compiles
     for pages, (session, rows, table) in prepared.items():
