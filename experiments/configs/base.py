@@ -70,7 +70,7 @@ def training_config() -> ml_collections.ConfigDict:
     decode_slots=64,  # the sampler's rows: the most episodes live at once
     decode_steps_per_sync=8,  # decode steps between host reads of finished replies
     page_size=32,  # KV-cache slots per page
-    prefill_chunk=64,  # the width of every prefill call (longer inputs: several calls)
+    prefill_chunk=64,  # the widest prefill call (also C/16, C/4; longer inputs: several)
     decode_tensor_parallel=0,  # the sampler's tensor-parallel size (0: one data slice's devices)
     temperature=1.0,
     top_k=0,

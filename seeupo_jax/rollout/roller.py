@@ -127,7 +127,7 @@ class RolloutConfig:
   decode_slots: S, the policy's rows: the most episodes live at once.
   decode_steps_per_sync: k, decode steps between host reads of finished replies.
   page_size: slots per KV-cache page (`sampling.SessionConfig`).
-  prefill_chunk: the width of every prefill call (a longer input takes several).
+  prefill_chunk: the widest prefill call (longer inputs take several; `sampling.prefill_widths`).
   prefill_rows: the rows of every prefill call (more rows with new tokens: several calls).
   """
 
