@@ -390,3 +390,36 @@ def test_no_decode_step_copies_a_layer_s_page_pool(model):
     if "=" in line and one_layer in line.split("=", 1)[1].split("(", 1)[0]
   ]
   assert producers == [], producers
+
+
+def test_a_row_s_prefill_width_follows_from_its_own_chunk(model):
+  """Prefill calls come in the widths C/16, C/4, C (those >= 8); a row's chunk goes in the
+  smallest that holds it, whatever else arrives with it (its numbers cannot depend on that)."""
+  cfg, params = model
+  assert sampling.prefill_widths(64) == (16, 64)  # 4 is below 8
+  assert sampling.prefill_widths(256) == (16, 64, 256)
+  assert sampling.prefill_widths(8) == (8,)
+  config = dataclasses.replace(
+    BATCH, rows=5, max_context_tokens=80, prefill_chunk=64, prefill_rows=2, initial_pages=40
+  )
+  session = sampling.SamplerSession(cfg, SAMPLE_CFG, config)
+  lengths = {0: 3, 1: 16, 2: 17, 3: 64 - 20, 4: 50}
+  for row, n in lengths.items():
+    session.give(row, _tokens(20 + row, n), _key(20 + row, 0), 4)
+  session.prefill(params)
+  calls = [(call[2].shape[1], sorted(int(r) for r in call[0] if r < 5)) for call in session._staged]
+  # Width 16: rows 0 and 1 (3 and 16 tokens); width 64: rows 2, 3, 4 (17, 44, 50), 2 rows a call.
+  assert calls == [(16, [0, 1]), (64, [2, 3]), (64, [4])]
+  for call in session._staged:  # each row's tokens in its call, in order, the rest padding
+    width = call[2].shape[1]
+    for i, row in enumerate(call[0]):
+      if row < 5:
+        n = lengths[int(row)]
+        assert call[2][i, :n].tolist() == _tokens(20 + int(row), n) and call[3][i].sum() == n
+        assert width >= n
+  # A longer input: chunks of C, the last in the width that holds what is left (70 = 64 + 6).
+  session = sampling.SamplerSession(cfg, SAMPLE_CFG, config)
+  session.give(0, _tokens(30, 70), _key(30, 0), 4)
+  session.prefill(params)
+  session.prefill(params)
+  assert [(c[2].shape[1], int(c[3][0].sum())) for c in session._staged] == [(64, 64), (16, 6)]
