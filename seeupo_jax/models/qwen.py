@@ -167,21 +167,19 @@ def _run_layers(params, x, cos, sin, mask, cache, config):
 
   def decoder_step(x, layer):
     """One block over this layer's (read-only) cache; emits the new tokens' k/v."""
-    layer_params, past_k, past_v = layer
-    if paged:  # past_k is the layer's index; the pools stay stacked
-      layer_mask, past_k, past_v = mask.replace(layer=past_k), cache.keys, cache.values
-    else:
-      layer_mask = mask
+    layer_params, layer_index, past_k, past_v = layer
+    layer_mask = mask
+    if paged:  # the pools stay stacked; the mask names the layer to gather from
+      layer_mask, past_k, past_v = mask.replace(layer=layer_index), cache.keys, cache.values
     x, k, v = layer_fn(layer_params, x, cos, sin, layer_mask, past_k, past_v)
     return x, (None if past_k is None else (k, v))
 
   if cache is None:
-    stacked = (params["layers"], None, None)
+    stacked = (params["layers"], None, None, None)
   elif paged:
-    index = jnp.arange(config.num_layers, dtype=jnp.int32)
-    stacked = (params["layers"], index, index)
+    stacked = (params["layers"], jnp.arange(config.num_layers, dtype=jnp.int32), None, None)
   else:
-    stacked = (params["layers"], cache.keys, cache.values)
+    stacked = (params["layers"], None, cache.keys, cache.values)
   if config.scan_layers:
     x, new_kv = jax.lax.scan(decoder_step, x, stacked)
   else:
