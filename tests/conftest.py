@@ -1,16 +1,45 @@
-"""Test-wide setup: 8 simulated CPU devices and hypothesis profiles.
+"""Test-wide setup: 8 simulated CPU devices, one compilation cache, hypothesis profiles.
 
 XLA_FLAGS must be set before jax is imported anywhere, so it is set here, at
 the top of the first module pytest imports.
+
+The compilation cache: every process a test session starts (`experiments/run.py`, the
+benchmark scripts, the notebooks' kernels) shares one persistent JAX compilation cache, a
+temporary directory made by the session's first pytest process (the xdist controller; its
+workers and their children inherit it) and removed when that process ends. A program that
+several tests' subprocesses compile (the same config, shapes and devices) compiles once: most
+of a short `run.py` is compilation on 2 cores (69 s cold, 25 s from the cache, session 12). A
+size limit turns on JAX's file lock around every read and write of the cache. The test
+processes themselves keep it off: some tests time or inspect fresh compilations. A process a
+test kills with SIGKILL must not write to it (a torn entry): such tests turn it off for it
+(`JAX_ENABLE_COMPILATION_CACHE=false`) or hand it a cache of its own already filled.
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+_CACHE_VAR = "SEEUPO_TEST_COMPILATION_CACHE"
+_OWN_CACHE = None
+if _CACHE_VAR not in os.environ:  # the session's first pytest process
+  _OWN_CACHE = os.environ[_CACHE_VAR] = tempfile.mkdtemp(prefix="seeupo_jax_test_cache_")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ[_CACHE_VAR])
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
+
 import hypothesis  # noqa: E402
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_compilation_cache", False)  # this process: see the docstring
 
 hypothesis.settings.register_profile("default", deadline=None, max_examples=40, print_blob=True)
 hypothesis.settings.register_profile("thorough", deadline=None, max_examples=400)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def pytest_unconfigure(config):
+  if _OWN_CACHE is not None:
+    shutil.rmtree(_OWN_CACHE, ignore_errors=True)

@@ -203,11 +203,9 @@ def test_bench_decode_layout_compiles_the_session_decode_program_per_layout():
 
 
 @pytest.mark.slow
-def test_bench_train_times_seeupo_and_gspo_iterations(tmp_path, monkeypatch):
-  # Both programs compile the same rollout sampler: a fresh compilation cache lets the second
-  # read the first's executable (CI time only; the timed rounds come after the warm-up).
-  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))
-  monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+def test_bench_train_times_seeupo_and_gspo_iterations(tmp_path):
+  # Both programs compile the same rollout sampler: the second reads the first's executable from
+  # the session's compilation cache (tests/conftest.py; the timed rounds come after the warm-up).
   out = tmp_path / "bench_train.json"
   result = _run(
     "bench_train.py",

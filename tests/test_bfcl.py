@@ -858,12 +858,9 @@ TINY = (
 def test_a_short_seeupo_run_on_bfcl_entries_then_eval_only(tmp_path):
   """An iteration of SeeUPO (tiny model, 2 entries x 2 samples, 3 turns), then --eval_only on the
   workdir's checkpoint. It need not learn; every reward must be one the checker gives."""
-  # The second run's sampler is the first's program: it reads it from the compilation cache.
-  cache = dict(
-    JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-  )
-  proc = _run(f"--workdir={tmp_path}", "--config.num_iterations=1", *TINY, **cache)
+  # The second run's sampler is the first's program: it reads it from the session's compilation
+  # cache (tests/conftest.py).
+  proc = _run(f"--workdir={tmp_path}", "--config.num_iterations=1", *TINY)
   assert proc.returncode == 0, proc.stderr[-3000:]
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r["iteration"] for r in records] == [1]
@@ -878,7 +875,7 @@ def test_a_short_seeupo_run_on_bfcl_entries_then_eval_only(tmp_path):
   assert not _leftover_instances()
 
   proc = _run(
-    f"--workdir={tmp_path}", "--config.num_iterations=1", "--config.eval_only=True", *TINY, **cache
+    f"--workdir={tmp_path}", "--config.num_iterations=1", "--config.eval_only=True", *TINY
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "evaluating" in proc.stderr + proc.stdout and "at iteration 1" in proc.stderr + proc.stdout

@@ -38,14 +38,6 @@ def _env(**extra):
   return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", **extra)
 
 
-def _compilation_cache(directory) -> dict:
-  """Env vars for JAX's persistent compilation cache in `directory` (CI time: runs of the same
-  programs in one test compile them once)."""
-  return dict(
-    JAX_COMPILATION_CACHE_DIR=str(directory), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"
-  )
-
-
 def _run(*args, timeout=600, **env):
   return subprocess.run(
     [sys.executable, _RUN, *args],
@@ -74,16 +66,15 @@ def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
   )
   args += ("--config.eval.every=3",)
   whole = tmp_path / "whole"
-  # The uninterrupted run fills a compilation cache that the resumed runs read; the run that gets
-  # killed does not use it (a kill must not leave a half-written cache entry behind).
-  cache = _compilation_cache(tmp_path / "jax_cache")
-  proc = _run(f"--workdir={whole}", *args, **cache)
+  # The runs share the session's compilation cache (tests/conftest.py); the run that gets killed
+  # does not use it (a kill must not leave a half-written cache entry behind).
+  proc = _run(f"--workdir={whole}", *args)
   assert proc.returncode == 0, proc.stderr[-3000:]
 
   killed = tmp_path / "killed"
   child = subprocess.Popen(
     [sys.executable, _RUN, f"--workdir={killed}", *args],
-    env=_env(),
+    env=_env(JAX_ENABLE_COMPILATION_CACHE="false"),
     cwd=_ROOT,
     stdout=subprocess.DEVNULL,
     stderr=subprocess.DEVNULL,
@@ -97,7 +88,7 @@ def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
   child.wait()
   assert not (killed / "hf_policy").exists()
 
-  proc = _run(f"--workdir={killed}", *args, **cache)
+  proc = _run(f"--workdir={killed}", *args)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "resuming" in proc.stdout + proc.stderr
   # The same final parameters, bit for bit, and the same per-iteration metrics, each iteration once.
@@ -112,7 +103,7 @@ def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
   killed_text = (killed / "trajectories.jsonl").read_text().splitlines()
   assert [json.loads(x)["text"] for x in killed_text] == [json.loads(x)["text"] for x in whole_text]
   # Resuming with a changed learner config is refused, naming the key.
-  proc = _run(f"--workdir={whole}", *args, "--config.learner.clip_low=0.1", **cache)
+  proc = _run(f"--workdir={whole}", *args, "--config.learner.clip_low=0.1")
   assert proc.returncode == 2
   assert "learner.clip_low" in proc.stderr and "Traceback" not in proc.stderr
   # The HF export loads back with our loader, and trains again from its directory (its own
@@ -125,7 +116,6 @@ def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
     "--config.num_iterations=1",
     f"--config.model.path={whole / 'hf_policy'}",
     "--config.model.dtype=bfloat16",
-    **cache,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   (record,) = metrics_log.read_metrics(str(tmp_path / "from_hf" / "metrics.jsonl"))

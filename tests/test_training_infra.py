@@ -284,7 +284,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
   """A real kill -9 while orbax writes iteration 2: iteration 1 (whose save had returned) is
   intact and restores; the half-written directory is never taken for a checkpoint."""
   directory = str(tmp_path / "ckpt")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+  # The killed process must not write to the session's compilation cache (tests/conftest.py).
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, JAX_ENABLE_COMPILATION_CACHE="false")
   env.pop("XLA_FLAGS", None)
   with open(tmp_path / "stderr.txt", "w") as stderr:
     proc = subprocess.Popen(
