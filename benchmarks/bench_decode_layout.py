@@ -152,14 +152,14 @@ def compile_session(model_config, sampling_config, mesh, params, batch, capacity
   table = spec((batch, -(-capacity // page_size)), jnp.int32)
 
   b = batch
-  prefill_args = (
-    spec((b,), jnp.int32),  # row ids
-    spec((b,), jnp.bool_),  # fresh
-    spec((b, width), jnp.int32),
-    spec((b, width), jnp.bool_),
-    spec((b,), jnp.bool_),  # begin
-    spec((b, 2), jnp.uint32),  # reply keys
-    spec((b,), jnp.int32),  # limits
+  prefill_args = sampling.PrefillCall(
+    row_ids=spec((b,), jnp.int32),
+    fresh=spec((b,), jnp.bool_),
+    ids=spec((b, width), jnp.int32),
+    valid=spec((b, width), jnp.bool_),
+    begin=spec((b,), jnp.bool_),
+    keys=spec((b, 2), jnp.uint32),
+    limits=spec((b,), jnp.int32),
   )
   params = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params

@@ -47,14 +47,9 @@ def prepared_session(model_config, params, args, pages: int):
   for b in range(args.batch):
     session.give(b, ids[b], np.array([b, 1], np.uint32), args.steps + 1)
   session.prefill(params)
-  for r in range(args.batch):  # the pages the decode steps write, as `decode` reserves them
-    session._reserve(r, args.context + args.steps)  # pylint: disable=protected-access
-  table = session._page_table()  # pylint: disable=protected-access
-  staged, session._staged = session._staged, []  # pylint: disable=protected-access
-  rows = session.rows
-  for call in staged:
-    rows = session._prefill(params, rows, table, *call)  # pylint: disable=protected-access
-  return session, jax.block_until_ready(rows), table
+  # The prompts' prefill calls, and the pages of the decode steps (every row decodes them all).
+  table = session.prepare_decode(params)
+  return session, jax.block_until_ready(session.rows), table
 
 
 def main():
@@ -89,7 +84,7 @@ def main():
     for pages, (session, rows, table) in prepared.items():
       fresh = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), rows))  # donated below
       start = time.perf_counter()
-      out, steps = session._decode(params, fresh, table)  # pylint: disable=protected-access
+      out, steps = session.decode_program(params, fresh, table)
       jax.block_until_ready(out)
       best[pages] = min(best[pages], time.perf_counter() - start)
       if int(steps) != args.steps:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import chex
 import flax
@@ -884,6 +884,28 @@ def _grow_jit(rows: DecodeRows, pages: int, *, cache_sharding) -> DecodeRows:
   return rows.replace(cache=constrain_cache(cache, cache_sharding))
 
 
+class PrefillCall(NamedTuple):
+  """The host-side inputs of one staged prefill call (R = `prefill_rows` rows of width W, one
+  of `prefill_widths`; S = the session's rows, a padding row id).
+
+  row_ids: int32[R], the session rows written (S: padding).
+  fresh:   bool[R], the row starts a new context (its length is reset to 0 first).
+  ids:     int32[R, W], the rows' new tokens, left-aligned.
+  valid:   bool[R, W], True on those tokens.
+  begin:   bool[R], the row's input is then complete: it begins its reply.
+  keys:    uint32[R, 2], the raw PRNG keys of the replies begun.
+  limits:  int32[R], their token limits.
+  """
+
+  row_ids: np.ndarray
+  fresh: np.ndarray
+  ids: np.ndarray
+  valid: np.ndarray
+  begin: np.ndarray
+  keys: np.ndarray
+  limits: np.ndarray
+
+
 class SamplerSession:
   """A decode batch of S rows over a paged KV cache, driven from the host.
 
@@ -939,7 +961,7 @@ class SamplerSession:
     self._prefill = functools.partial(_prefill_jit, **statics)
     self._grow = functools.partial(_grow_jit, cache_sharding=cache_sharding)
     self.prefill_widths = prefill_widths(config.prefill_chunk)
-    self._staged: list[tuple] = []  # prefill calls' inputs, run by the next decode call
+    self._staged: list[PrefillCall] = []  # run by the next decode call
     self.stats = SessionStats()
     self.rows: Optional[DecodeRows] = None
     s = config.rows
@@ -1028,7 +1050,8 @@ class SamplerSession:
         self.stats.pool_pages = 2 * old
       self._pages[row].append(self._free.pop())
 
-  def _page_table(self) -> np.ndarray:
+  def page_table(self) -> np.ndarray:
+    """int32[S, max_pages_per_row]: row r's pages in order, 0 (the scratch page) after."""
     table = np.zeros((self.config.rows, self.max_pages_per_row), np.int32)
     for r, pages in enumerate(self._pages):
       table[r, : len(pages)] = pages
@@ -1092,26 +1115,44 @@ class SamplerSession:
           keys[i], limits[i] = self._reply_args[r]
           self._reply_args[r] = None
           self._awaiting[r] = True
-      self._staged.append((row_ids, fresh, ids, valid, begin, keys, limits))  # run by decode
+      self._staged.append(PrefillCall(row_ids, fresh, ids, valid, begin, keys, limits))
       self.stats.prefill_calls += 1
     self._note_peak()
     self.stats.prefill_tokens += written
     return written
+
+  @property
+  def staged_prefills(self) -> tuple[PrefillCall, ...]:
+    """The prefill calls `prefill` staged, in the order the next decode call runs them."""
+    return tuple(self._staged)
+
+  def prepare_decode(self, params) -> np.ndarray:
+    """The first half of `decode`, with no host read: reserves the pages of the next k
+    decode steps of every decoding row, dispatches the staged prefill calls on the session's
+    rows, and returns the page table the decode program reads (`page_table()`)."""
+    k = self.config.decode_steps_per_sync
+    for r in np.flatnonzero(self._awaiting):
+      self._reserve(int(r), int(self._lengths[r]) + k)
+    self._note_peak()
+    table = self.page_table()
+    staged, self._staged = self._staged, []
+    for call in staged:
+      self.rows = self._prefill(params, self.rows, table, *call)
+    return table
+
+  def decode_program(self, params, rows: DecodeRows, table: np.ndarray):
+    """The session's compiled decode program on `rows` (donated): up to k decode steps of
+    every decoding row. Returns (rows after, int32 steps run). `decode` runs it on the
+    session's rows; a benchmark times it alone after `prepare_decode`."""
+    return self._decode(params, rows, table)
 
   def decode(self, params) -> list[Reply]:
     """Up to k decode steps of every decoding row, then one host read; returns the replies
     that ended (also those that ended on their first token, in `prefill`)."""
     if not self._awaiting.any() and not self._staged:
       return []
-    k = self.config.decode_steps_per_sync
-    for r in np.flatnonzero(self._awaiting):
-      self._reserve(int(r), int(self._lengths[r]) + k)
-    self._note_peak()
-    table = self._page_table()
-    staged, self._staged = self._staged, []
-    for call in staged:
-      self.rows = self._prefill(params, self.rows, table, *call)
-    self.rows, steps = self._decode(params, self.rows, table)
+    table = self.prepare_decode(params)
+    self.rows, steps = self.decode_program(params, self.rows, table)
     state = jax.device_get(
       (self.rows.lengths, self.rows.decoding, self.rows.steps, self.rows.finish_reason, steps)
     )

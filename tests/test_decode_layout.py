@@ -259,19 +259,16 @@ class DecodeSamplerTest(parameterized.TestCase):
       cache = qwen.init_paged_cache(config, 1 + b * pages, self.PAGE)
       cache = jax.device_put(cache, cache_sharding(cache))
       rows = sampling.init_rows(cache, b, 0, self.N, sc.pad_id)
-      rows = sampling._prefill_jit(
-        params,
-        rows,
-        table,
-        jnp.arange(b, dtype=jnp.int32),  # row ids
-        jnp.ones((b,), bool),  # fresh contexts
-        ids,
-        valid,
-        jnp.ones((b,), bool),  # every row begins its reply
-        keys,
-        jnp.full((b,), self.N, jnp.int32),
-        **statics,
+      call = sampling.PrefillCall(
+        row_ids=jnp.arange(b, dtype=jnp.int32),
+        fresh=jnp.ones((b,), bool),
+        ids=ids,
+        valid=valid,
+        begin=jnp.ones((b,), bool),  # every row begins its reply
+        keys=keys,
+        limits=jnp.full((b,), self.N, jnp.int32),
       )
+      rows = sampling._prefill_jit(params, rows, table, *call, **statics)
       compiled = sampling._decode_jit.lower(params, rows, table, num_steps=self.N, **statics)
       compiled = compiled.compile()
       rows, _ = compiled(params, rows, table)

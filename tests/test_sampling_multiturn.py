@@ -371,7 +371,7 @@ def test_no_decode_step_copies_a_layer_s_page_pool(model):
     sampling._decode_jit.lower(
       params,
       session.rows,
-      session._page_table(),
+      session.page_table(),
       num_steps=K,
       model_config=session.model_config,
       sampling_config=SAMPLE_CFG,
@@ -407,19 +407,23 @@ def test_a_row_s_prefill_width_follows_from_its_own_chunk(model):
   for row, n in lengths.items():
     session.give(row, _tokens(20 + row, n), _key(20 + row, 0), 4)
   session.prefill(params)
-  calls = [(call[2].shape[1], sorted(int(r) for r in call[0] if r < 5)) for call in session._staged]
+  calls = [
+    (call.ids.shape[1], sorted(int(r) for r in call.row_ids if r < 5))
+    for call in session.staged_prefills
+  ]
   # Width 16: rows 0 and 1 (3 and 16 tokens); width 64: rows 2, 3, 4 (17, 44, 50), 2 rows a call.
   assert calls == [(16, [0, 1]), (64, [2, 3]), (64, [4])]
-  for call in session._staged:  # each row's tokens in its call, in order, the rest padding
-    width = call[2].shape[1]
-    for i, row in enumerate(call[0]):
+  for call in session.staged_prefills:  # each row's tokens in its call, in order, the rest padding
+    width = call.ids.shape[1]
+    for i, row in enumerate(call.row_ids):
       if row < 5:
         n = lengths[int(row)]
-        assert call[2][i, :n].tolist() == _tokens(20 + int(row), n) and call[3][i].sum() == n
+        assert call.ids[i, :n].tolist() == _tokens(20 + int(row), n) and call.valid[i].sum() == n
         assert width >= n
   # A longer input: chunks of C, the last in the width that holds what is left (70 = 64 + 6).
   session = sampling.SamplerSession(cfg, SAMPLE_CFG, config)
   session.give(0, _tokens(30, 70), _key(30, 0), 4)
   session.prefill(params)
   session.prefill(params)
-  assert [(c[2].shape[1], int(c[3][0].sum())) for c in session._staged] == [(64, 64), (16, 6)]
+  staged = session.staged_prefills
+  assert [(c.ids.shape[1], int(c.valid[0].sum())) for c in staged] == [(64, 64), (16, 6)]
