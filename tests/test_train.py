@@ -174,6 +174,7 @@ def test_outputs_of_a_short_run(tmp_path):
       "RolloutConfig.env_isolation='fork'; allowed: ['auto', 'thread', 'process']",
     ),
     ("--config.rollout.env_call_timeout_s=0", "call_timeout_s must be a number > 0"),
+    ("--config.rollout.prefill_rows=0", "RolloutConfig.prefill_rows must be an int >= 1"),
   ],
 )
 def test_bad_config_names_the_key_and_allowed_values(tmp_path, flag, message):

@@ -534,3 +534,24 @@ def test_format_table_aligns_columns():
       "test-long  0.123       -    7",
     ]
   )
+
+
+@pytest.mark.parametrize("name", ["synthetic", "bfcl", "appworld"])
+def test_every_rollout_config_field_is_a_config_key_passed_by_its_name(name):
+  """`RolloutConfig`'s fields are keys of the training configs' `rollout` section, and
+  `trainer.build_rollout_config` passes each one on as it is (the slots: each process's share)."""
+  import dataclasses
+
+  sys.path.insert(0, REPO)
+  from experiments import configs  # pylint: disable=g-import-not-at-top
+  from seeupo_jax import rollout  # pylint: disable=g-import-not-at-top
+  from seeupo_jax.training import trainer  # pylint: disable=g-import-not-at-top
+
+  section = configs.get_config(name).rollout
+  fields = [f.name for f in dataclasses.fields(rollout.RolloutConfig)]
+  assert [f for f in fields if f not in section] == []
+  section.decode_slots = 8
+  section.prefill_rows = 3  # not a default: the value must travel
+  built = trainer.build_rollout_config(section)
+  assert {f: getattr(built, f) for f in fields} == {f: section[f] for f in fields}
+  assert trainer.build_rollout_config(section, num_processes=2).decode_slots == 4

@@ -201,23 +201,11 @@ def build_rollout_config(
       f"rollout.decode_slots={r.decode_slots} must be divisible by the {num_processes} "
       "processes (each samples on decode_slots / processes rows)"
     )
-  return rollout.RolloutConfig(
-    max_turns=r.max_turns,
-    max_context_tokens=r.max_context_tokens,
-    max_env_tokens=r.max_env_tokens,
-    env_workers=r.env_workers,
-    env_isolation=r.env_isolation,
-    env_call_timeout_s=r.env_call_timeout_s,
-    env_memory_limit_mb=r.env_memory_limit_mb,
-    reset_retries=r.reset_retries,
-    episode_retries=r.episode_retries,
-    max_failed_group_fraction=r.max_failed_group_fraction,
-    scheduler=r.scheduler,
-    decode_slots=r.decode_slots // num_processes,
-    decode_steps_per_sync=r.decode_steps_per_sync,
-    page_size=r.page_size,
-    prefill_chunk=r.prefill_chunk,
-  )
+  # Every `RolloutConfig` field the section has, under its own name (a new field needs only
+  # its key in `experiments/configs/base.py`); the slots are this process's share.
+  fields = {f.name: r[f.name] for f in dataclasses.fields(rollout.RolloutConfig) if f.name in r}
+  fields["decode_slots"] = r.decode_slots // num_processes
+  return rollout.RolloutConfig(**fields)
 
 
 def generation_budget(r: ml_collections.ConfigDict) -> int:
