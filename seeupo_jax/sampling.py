@@ -699,7 +699,7 @@ class SessionConfig:
       the row is released.
   prefill_chunk: C, the widest prefill call: the most tokens of one row written per call (a
       longer input is written over several calls, each with decode steps of the other rows).
-      Calls come in the widths `prefill_widths(C)` (C / 16, C / 4, C; those >= 8), a row's
+      Calls come in the widths `prefill_widths(C)` (C / 8, C / 4, C / 2, C; those >= 8), a row's
       chunk in the smallest that holds it: the width depends on the row's own tokens only, so
       a row's tokens and log-probs do not depend on what else was prefilled with it
       (bit-exact whatever the timing).
@@ -765,11 +765,12 @@ class SessionStats:
 
 
 def prefill_widths(chunk: int) -> tuple[int, ...]:
-  """The widths of a session's prefill calls: C / 16, C / 4 and C (C = `prefill_chunk`),
+  """The widths of a session's prefill calls: C / 8, C / 4, C / 2 and C (C = `prefill_chunk`),
   those >= 8, ascending. A row's chunk of L tokens goes in a call of the smallest width >= L,
-  so a short observation does not pay for C tokens, and a run compiles at most 3 prefill
-  programs per pool size."""
-  return tuple(sorted({w for w in (chunk // 16, chunk // 4) if w >= 8} | {chunk}))
+  so it pays for at most 2L tokens (or C / 8, or 8), never C; a run compiles at most 4
+  prefill programs per pool size. (Until session 12: C / 16, C / 4, C; an observation of 17
+  to 32 tokens paid for 64.)"""
+  return tuple(sorted({w for w in (chunk // 8, chunk // 4, chunk // 2) if w >= 8} | {chunk}))
 
 
 def _prefill_program(

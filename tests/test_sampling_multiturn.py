@@ -393,30 +393,33 @@ def test_no_decode_step_copies_a_layer_s_page_pool(model):
 
 
 def test_a_row_s_prefill_width_follows_from_its_own_chunk(model):
-  """Prefill calls come in the widths C/16, C/4, C (those >= 8); a row's chunk goes in the
-  smallest that holds it, whatever else arrives with it (its numbers cannot depend on that)."""
+  """Prefill calls come in the widths C/8, C/4, C/2, C (those >= 8); a row's chunk goes in
+  the smallest that holds it, whatever else arrives with it (its numbers cannot depend on
+  that)."""
   cfg, params = model
-  assert sampling.prefill_widths(64) == (16, 64)  # 4 is below 8
-  assert sampling.prefill_widths(256) == (16, 64, 256)
+  assert sampling.prefill_widths(64) == (8, 16, 32, 64)
+  assert sampling.prefill_widths(256) == (32, 64, 128, 256)
+  assert sampling.prefill_widths(32) == (8, 16, 32)  # 4 is below 8
   assert sampling.prefill_widths(8) == (8,)
   config = dataclasses.replace(
-    BATCH, rows=5, max_context_tokens=80, prefill_chunk=64, prefill_rows=2, initial_pages=40
+    BATCH, rows=8, max_context_tokens=80, prefill_chunk=64, prefill_rows=2, initial_pages=80
   )
   session = sampling.SamplerSession(cfg, SAMPLE_CFG, config)
-  lengths = {0: 3, 1: 16, 2: 17, 3: 64 - 20, 4: 50}
+  lengths = {0: 3, 1: 8, 2: 9, 3: 16, 4: 17, 5: 50, 6: 44, 7: 33}
   for row, n in lengths.items():
     session.give(row, _tokens(20 + row, n), _key(20 + row, 0), 4)
   session.prefill(params)
   calls = [
-    (call.ids.shape[1], sorted(int(r) for r in call.row_ids if r < 5))
+    (call.ids.shape[1], sorted(int(r) for r in call.row_ids if r < 8))
     for call in session.staged_prefills
   ]
-  # Width 16: rows 0 and 1 (3 and 16 tokens); width 64: rows 2, 3, 4 (17, 44, 50), 2 rows a call.
-  assert calls == [(16, [0, 1]), (64, [2, 3]), (64, [4])]
+  # Width 8: rows 0, 1 (3 and 8 tokens); 16: rows 2, 3 (9, 16); 32: row 4 (17); 64: rows 5, 6,
+  # 7 (50, 44, 33), 2 rows a call.
+  assert calls == [(8, [0, 1]), (16, [2, 3]), (32, [4]), (64, [5, 6]), (64, [7])]
   for call in session.staged_prefills:  # each row's tokens in its call, in order, the rest padding
     width = call.ids.shape[1]
     for i, row in enumerate(call.row_ids):
-      if row < 5:
+      if row < 8:
         n = lengths[int(row)]
         assert call.ids[i, :n].tolist() == _tokens(20 + int(row), n) and call.valid[i].sum() == n
         assert width >= n
@@ -426,4 +429,4 @@ def test_a_row_s_prefill_width_follows_from_its_own_chunk(model):
   session.prefill(params)
   session.prefill(params)
   staged = session.staged_prefills
-  assert [(c.ids.shape[1], int(c.valid[0].sum())) for c in staged] == [(64, 64), (16, 6)]
+  assert [(c.ids.shape[1], int(c.valid[0].sum())) for c in staged] == [(64, 64), (8, 6)]

@@ -70,7 +70,7 @@ def training_config() -> ml_collections.ConfigDict:
     decode_slots=64,  # the sampler's rows: the most episodes live at once
     decode_steps_per_sync=8,  # decode steps between host reads of finished replies
     page_size=32,  # KV-cache slots per page
-    prefill_chunk=64,  # the widest prefill call (also C/16, C/4; longer inputs: several)
+    prefill_chunk=64,  # the widest prefill call (also C/8, C/4, C/2; longer: several)
     prefill_rows=8,  # the rows of every prefill call (more rows with new tokens: several)
     decode_tensor_parallel=0,  # the sampler's tensor-parallel size (0: one data slice's devices)
     temperature=1.0,
