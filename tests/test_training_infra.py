@@ -2,6 +2,7 @@
 errors, interrupted saves, config checks) and the metrics log (JSON lines, TensorBoard, curves,
 tables)."""
 
+import dataclasses
 import functools
 import glob
 import json
