@@ -541,8 +541,6 @@ def test_format_table_aligns_columns():
 def test_every_rollout_config_field_is_a_config_key_passed_by_its_name(name):
   """`RolloutConfig`'s fields are keys of the training configs' `rollout` section, and
   `trainer.build_rollout_config` passes each one on as it is (the slots: each process's share)."""
-  import dataclasses
-
   sys.path.insert(0, REPO)
   from experiments import configs  # pylint: disable=g-import-not-at-top
   from seeupo_jax import rollout  # pylint: disable=g-import-not-at-top
