@@ -75,7 +75,8 @@ def _run_bandit(config: ml_collections.ConfigDict, workdir: str, defaults) -> No
   sweep.main(config, workdir)
 
 
-def _run_train(config: ml_collections.ConfigDict, workdir: str, defaults) -> None:
+def _run_train(config, workdir: str, defaults) -> None:
+  """Trains; `config` is the typed `TrainConfig` (`seeupo_jax.training.config.typed`)."""
   from seeupo_jax.training import trainer  # pylint: disable=g-import-not-at-top
 
   trainer.main(config, workdir, defaults)
@@ -131,6 +132,14 @@ def _main(argv: list[str], name: str) -> None:
   config = flags.FLAGS.config
   if config.program not in PROGRAMS:
     raise app.UsageError(f"config.program={config.program!r}; allowed: {sorted(PROGRAMS)}")
+  if config.program == "train":  # the program boundary: one typed, checked config from here on
+    from seeupo_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
+
+    try:
+      config = config_lib.typed(config)
+    except config_lib.ConfigError as e:
+      print(f"error: bad config for --config={name}: {e}", file=sys.stderr)
+      sys.exit(2)
   from seeupo_jax import distributed  # pylint: disable=g-import-not-at-top
 
   try:

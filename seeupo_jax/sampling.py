@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from seeupo_jax import fields
 from seeupo_jax.models import qwen
 from seeupo_jax.models.config import ModelConfig
 
@@ -89,40 +90,22 @@ class SamplingConfig:
           cache before the one in-place write, and copies the cache each step.
   """
 
-  max_new_tokens: int
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-  greedy: bool = False
-  stop_token_ids: tuple[int, ...] = ()
-  pad_id: int = 0
-  prefill_chunk_size: Optional[int] = None
-  scan_layers: Optional[bool] = None
+  max_new_tokens: int = fields.field(fields.int_at_least(1))
+  temperature: float = fields.field(
+    fields.described(fields.number_above(0), "use greedy=True for argmax decoding"), 1.0
+  )
+  top_k: int = fields.field(fields.described(fields.int_at_least(0), "0: off"), 0)
+  top_p: float = fields.field(
+    fields.described(fields.number_in(0, 1, open_low=True), "1: off"), 1.0
+  )
+  greedy: bool = fields.field(fields.BOOL, False)
+  stop_token_ids: tuple[int, ...] = fields.field(fields.tuple_of(fields.int_at_least(0)), ())
+  pad_id: int = fields.field(fields.INT, 0)
+  prefill_chunk_size: Optional[int] = fields.field(fields.optional(fields.int_at_least(1)), None)
+  scan_layers: Optional[bool] = fields.field(fields.optional(fields.BOOL), None)
 
   def __post_init__(self):
-    def bad(key, allowed, value):
-      raise ValueError(f"SamplingConfig.{key} must be {allowed}, got {value!r}")
-
-    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-      bad("max_new_tokens", "an int >= 1", self.max_new_tokens)
-    if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
-      bad("temperature", "a float > 0 (use greedy=True for argmax decoding)", self.temperature)
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      bad("top_k", "an int >= 0 (0 = off)", self.top_k)
-    if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-      bad("top_p", "a float in (0, 1] (1 = off)", self.top_p)
-    if not isinstance(self.greedy, bool):
-      bad("greedy", "a bool", self.greedy)
-    if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-      bad("stop_token_ids", "a tuple of non-negative ints", self.stop_token_ids)
-    if not isinstance(self.pad_id, int):
-      bad("pad_id", "an int", self.pad_id)
-    if self.prefill_chunk_size is not None and (
-      not isinstance(self.prefill_chunk_size, int) or self.prefill_chunk_size < 1
-    ):
-      bad("prefill_chunk_size", "None or an int >= 1", self.prefill_chunk_size)
-    if self.scan_layers not in (None, True, False):
-      bad("scan_layers", "None, True or False", self.scan_layers)
+    fields.check(self)
 
 
 @flax.struct.dataclass
@@ -711,32 +694,16 @@ class SessionConfig:
       it doubles when full (each size one compile).
   """
 
-  rows: int
-  max_context_tokens: int
-  page_size: int = 32
-  prefill_chunk: int = 64
-  prefill_rows: int = 8
-  decode_steps_per_sync: int = 8
-  initial_pages: Optional[int] = None
+  rows: int = fields.field(fields.int_at_least(1))
+  max_context_tokens: int = fields.field(fields.int_at_least(1))
+  page_size: int = fields.field(fields.int_at_least(1), 32)
+  prefill_chunk: int = fields.field(fields.int_at_least(1), 64)
+  prefill_rows: int = fields.field(fields.int_at_least(1), 8)
+  decode_steps_per_sync: int = fields.field(fields.int_at_least(1), 8)
+  initial_pages: Optional[int] = fields.field(fields.optional(fields.int_at_least(2)), None)
 
   def __post_init__(self):
-    for name in (
-      "rows",
-      "max_context_tokens",
-      "page_size",
-      "prefill_chunk",
-      "prefill_rows",
-      "decode_steps_per_sync",
-    ):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"SessionConfig.{name} must be an int >= 1, got {value!r}")
-    if self.initial_pages is not None and (
-      not isinstance(self.initial_pages, int) or self.initial_pages < 2
-    ):
-      raise ValueError(
-        f"SessionConfig.initial_pages must be None or an int >= 2, got {self.initial_pages!r}"
-      )
+    fields.check(self)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,7 @@ from seeupo_jax.envs import appworld as aw
 from seeupo_jax.envs import appworld_client as client_lib
 from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.models import qwen
+from seeupo_jax.training import config as config_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIKE = fake.TASKS["fake_like_1"]
@@ -753,16 +754,16 @@ def test_api_docs_of_the_wrong_shape_stop_the_start_with_the_endpoint_named(star
 @pytest.mark.parametrize(
   "options,message",
   [
-    ({"api_docs": "all"}, r"appworld.api_docs must be one of \['none', 'names', 'descriptions'\]"),
-    ({"train_split": "training"}, r"appworld.train_split must be one of \['train', 'dev'"),
-    ({"num_servers": 0}, "appworld.num_servers must be an int >= 1"),
-    ({"base_port": 70000}, r"appworld.base_port must be an int port in \[1, 65535\]"),
-    ({"timeout_s": 50.0}, r"appworld.timeout_s \(50.0\) must exceed appworld.code_timeout_s"),
-    ({"urls": "127.0.0.1:8000"}, "must be an http:// or https:// URL"),
-    ({"retries": -1}, "appworld.retries must be an int >= 0"),
-    ({"success_reward": float("nan")}, "appworld.success_reward must be a finite number"),
-    ({"experiment_name": "a/b"}, "appworld.experiment_name must be a non-empty name"),
-    ({"lease_timeout_s": 0}, r"appworld.lease_timeout_s must be a number > 0"),
+    ({"api_docs": "all"}, r"appworld.api_docs='all'; allowed: one of \['none', 'names', 'descriptions'\]"),
+    ({"train_split": "training"}, r"appworld.train_split='training'; allowed: one of \['train', 'dev'"),
+    ({"num_servers": 0}, "appworld.num_servers=0; allowed: an int >= 1"),
+    ({"base_port": 70000}, r"appworld.base_port=70000; allowed: an int in \[1, 65535\] \(a port\)"),
+    ({"timeout_s": 50.0}, r"appworld.timeout_s=50.0; allowed: a number > appworld.code_timeout_s = 100"),
+    ({"urls": "127.0.0.1:8000"}, "appworld.urls='127.0.0.1:8000'; allowed: comma-separated http:// or https:// URLs"),
+    ({"retries": -1}, "appworld.retries=-1; allowed: an int >= 0"),
+    ({"success_reward": float("nan")}, "appworld.success_reward=nan; allowed: a finite number"),
+    ({"experiment_name": "a/b"}, "appworld.experiment_name='a/b'; allowed: a non-empty name"),
+    ({"lease_timeout_s": 0}, r"appworld.lease_timeout_s=0; allowed: a finite number > 0 \(seconds\)"),
   ],
 )
 def test_bad_config_names_the_field_and_the_allowed_values(options, message):
@@ -784,8 +785,15 @@ def test_the_config_file_holds_every_field_flat():
   assert aw.AppWorldConfig(**options).num_servers == 32 * 8  # tasks_per_iteration x samples
   config.rollout.tasks_per_iteration = 2
   config.rollout.samples_per_task = 3
-  assert config.env.num_servers == 6 and config.env.max_turns == config.rollout.max_turns
-  assert config.env.name == "appworld"
+  config.rollout.max_turns = 7
+  assert config.env.num_servers == 6 and config.env.name == "appworld"
+  # The reply limit has one name, rollout.max_turns, which the environment receives.
+  assert "max_turns" not in config.env
+  assert config_lib.typed(config).env_options()["max_turns"] == 7
+  config.env.unlock()
+  config.env.max_turns = 7
+  with pytest.raises(config_lib.ConfigError, match=r"env.max_turns: .*rollout.max_turns"):
+    config_lib.typed(config)
 
 
 # --- with the rollout loop --------------------------------------------------------------------

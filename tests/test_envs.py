@@ -19,7 +19,7 @@ def test_registry_names_the_allowed_environments():
 def test_bad_option_names_the_environment():
   with pytest.raises(ValueError, match="bad options for environment 'synthetic'.*num_dails"):
     envs.make_spec("synthetic", {"num_dails": 3})
-  with pytest.raises(ValueError, match="num_dials must be an int >= 1"):
+  with pytest.raises(ValueError, match="synthetic.num_dials=0; allowed: an int >= 1"):
     envs.make_spec("synthetic", {"num_dials": 0})
 
 
@@ -144,5 +144,5 @@ def test_partial_credit_reward(credit):
     opened = wrong == 0
     assert score.success == opened
     assert score.reward == pytest.approx((1 - credit) * opened + credit * (3 - wrong) / 3)
-  with pytest.raises(ValueError, match=r"partial_credit must be in \[0, 1\]"):
+  with pytest.raises(ValueError, match=r"synthetic.partial_credit=1.5; allowed: a number in \[0, 1\]"):
     envs.make_spec("synthetic", {"partial_credit": 1.5})

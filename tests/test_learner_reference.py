@@ -282,7 +282,7 @@ def test_dr_grpo_with_norm_length_matches_reference(epochs, microbatches, batch_
 
 
 def test_training_program_sets_norm_length_to_the_generation_budget():
-  """`trainer.build_learner_config`: Dr. GRPO's constant defaults to min(max_context_tokens,
+  """`training.config.typed`: Dr. GRPO's constant defaults to min(max_context_tokens,
   max_turns x max_reply_tokens), the same every iteration; a value set in the config stays;
   other aggregations keep None."""
   import os
@@ -290,21 +290,25 @@ def test_training_program_sets_norm_length_to_the_generation_budget():
 
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from experiments.configs import base  # pylint: disable=g-import-not-at-top
-  from seeupo_jax.training import trainer  # pylint: disable=g-import-not-at-top
+  from seeupo_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
 
   c = base.training_config()
+  c.env.name = "synthetic"
   assert c.learner.norm_length is None
   c.rollout.max_turns, c.rollout.max_reply_tokens, c.rollout.max_context_tokens = 3, 40, 160
-  assert trainer.build_learner_config(c.learner, c.rollout).norm_length is None  # SeeUPO
+  assert config_lib.typed(c).learner.norm_length is None  # SeeUPO
   c.learner.algorithm = "dr_grpo"
-  assert trainer.build_learner_config(c.learner, c.rollout).norm_length == 120  # 3 x 40
+  assert config_lib.typed(c).learner.norm_length == 120  # 3 x 40
   c.rollout.max_reply_tokens = 100
-  assert trainer.build_learner_config(c.learner, c.rollout).norm_length == 160  # the context
+  assert config_lib.typed(c).learner.norm_length == 160  # the context
   c.learner.norm_length = 64
-  assert trainer.build_learner_config(c.learner, c.rollout).norm_length == 64
+  assert config_lib.typed(c).learner.norm_length == 64
   c.learner.algorithm = "seeupo"
-  with pytest.raises(ValueError, match="norm_length must be None unless"):
-    trainer.build_learner_config(c.learner, c.rollout)
+  with pytest.raises(
+    config_lib.ConfigError,
+    match=r"^learner.norm_length=64; allowed: None unless agg='seq-mean-token-sum-norm'",
+  ):
+    config_lib.typed(c)
 
 
 def test_dapo_and_dr_grpo_defaults_are_their_papers():

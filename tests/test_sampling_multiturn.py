@@ -307,9 +307,9 @@ def test_errors():
   session.give(0, [3], key, 1)
   with pytest.raises(TypeError, match="SessionConfig"):
     sampling.SamplerSession(cfg, SAMPLE_CFG, {"rows": 4})
-  with pytest.raises(ValueError, match="SessionConfig.page_size must be an int >= 1"):
+  with pytest.raises(ValueError, match="SessionConfig.page_size=0; allowed: an int >= 1"):
     dataclasses.replace(BATCH, page_size=0)
-  with pytest.raises(ValueError, match="SessionConfig.initial_pages must be None or an int >= 2"):
+  with pytest.raises(ValueError, match="SessionConfig.initial_pages=1; allowed: None or an int >= 2"):
     dataclasses.replace(BATCH, initial_pages=1)
 
 

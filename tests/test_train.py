@@ -165,16 +165,16 @@ def test_outputs_of_a_short_run(tmp_path):
 @pytest.mark.parametrize(
   "flag,message",
   [
-    ("--config.learner.algorithm=sac", "LearnerConfig.algorithm must be one of"),
+    ("--config.learner.algorithm=sac", "learner.algorithm='sac'; allowed: one of ['seeupo', "),
     ("--config.model.preset=qwen9", "allowed: ["),
     ("--config.env.num_dails=3", "known keys of 'env'"),
-    ("--config.rollout.max_turns=0", "RolloutConfig.max_turns must be an int >= 1"),
+    ("--config.rollout.max_turns=0", "rollout.max_turns=0; allowed: an int >= 1"),
     (
       "--config.rollout.env_isolation=fork",
-      "RolloutConfig.env_isolation='fork'; allowed: ['auto', 'thread', 'process']",
+      "rollout.env_isolation='fork'; allowed: one of ['auto', 'thread', 'process']",
     ),
-    ("--config.rollout.env_call_timeout_s=0", "call_timeout_s must be a number > 0"),
-    ("--config.rollout.prefill_rows=0", "RolloutConfig.prefill_rows must be an int >= 1"),
+    ("--config.rollout.env_call_timeout_s=0.0", "rollout.env_call_timeout_s=0.0; allowed: a finite number > 0"),
+    ("--config.rollout.prefill_rows=0", "rollout.prefill_rows=0; allowed: an int >= 1"),
   ],
 )
 def test_bad_config_names_the_key_and_allowed_values(tmp_path, flag, message):

@@ -539,18 +539,25 @@ def test_format_table_aligns_columns():
 
 @pytest.mark.parametrize("name", ["synthetic", "bfcl", "appworld"])
 def test_every_rollout_config_field_is_a_config_key_passed_by_its_name(name):
-  """`RolloutConfig`'s fields are keys of the training configs' `rollout` section, and
-  `trainer.build_rollout_config` passes each one on as it is (the slots: each process's share)."""
+  """`RolloutConfig`'s fields are keys of the training configs' `rollout` section, and the typed
+  section's `rollout_config` passes each one on as it is (the slots: each process's share); each
+  allows what RolloutConfig's field allows (one declaration)."""
   sys.path.insert(0, REPO)
   from experiments import configs  # pylint: disable=g-import-not-at-top
+  from seeupo_jax import fields as fields_lib  # pylint: disable=g-import-not-at-top
   from seeupo_jax import rollout  # pylint: disable=g-import-not-at-top
-  from seeupo_jax.training import trainer  # pylint: disable=g-import-not-at-top
+  from seeupo_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
 
-  section = configs.get_config(name).rollout
+  config = configs.get_config(name)
   fields = [f.name for f in dataclasses.fields(rollout.RolloutConfig)]
-  assert [f for f in fields if f not in section] == []
-  section.decode_slots = 8
-  section.prefill_rows = 3  # not a default: the value must travel
-  built = trainer.build_rollout_config(section)
-  assert {f: getattr(built, f) for f in fields} == {f: section[f] for f in fields}
-  assert trainer.build_rollout_config(section, num_processes=2).decode_slots == 4
+  assert [f for f in fields if f not in config.rollout] == []
+  config.rollout.decode_slots = 8
+  config.rollout.prefill_rows = 3  # not a default: the value must travel
+  section = config_lib.typed(config).rollout
+  built = section.rollout_config()
+  assert {f: getattr(built, f) for f in fields} == {f: config.rollout[f] for f in fields}
+  assert section.rollout_config(num_processes=2).decode_slots == 4
+  for f in fields:
+    assert fields_lib.allowed_of(config_lib.RolloutSection, f) is fields_lib.allowed_of(
+      rollout.RolloutConfig, f
+    )

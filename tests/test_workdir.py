@@ -1,7 +1,7 @@
 """A workdir that survives: its lock, unreadable checkpoints, torn log lines, bad input.
 
 The in-process tests check each piece (`workdir.WorkdirLock`, `Checkpointer.restore_latest`,
-`metrics_log`, the safetensors reader, `validation.check`, `trainer.build`); the `_run` tests
+`metrics_log`, the safetensors reader, `config.typed`, `trainer.build`); the `_run` tests
 check what a user of `experiments/run.py` sees: the exit status, one `error: ...` line and no
 traceback, and that nothing in the workdir was lost or overwritten.
 
@@ -12,6 +12,7 @@ spends compiling its update. Each resume asks for no more iterations than the ch
 restores has done, so it restores, checks and rewrites the logs, and stops.
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -32,9 +33,9 @@ from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.models import qwen
 from seeupo_jax.models import safetensors_io
 from seeupo_jax.training import checkpoints
+from seeupo_jax.training import config as config_lib
 from seeupo_jax.training import metrics_log
 from seeupo_jax.training import trainer
-from seeupo_jax.training import validation
 from seeupo_jax.training import workdir as workdir_lib
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -639,18 +640,58 @@ def test_run_py_refuses_a_truncated_model_safetensors_naming_it(tmp_path, jax_ca
 )
 def test_validation_names_the_key_and_what_is_allowed(key, value, allowed):
   config = _config(**{key: value})
-  with pytest.raises(validation.ConfigError) as error:
-    validation.check(config)
+  with pytest.raises(config_lib.ConfigError) as error:
+    config_lib.typed(config)
   assert str(error.value) == f"{key}={value!r}; allowed: {allowed}"
 
 
 def test_validation_checks_the_batch_splits_into_minibatches():
-  validation.check(_config())
+  config_lib.typed(_config())
   with pytest.raises(
-    validation.ConfigError,
+    config_lib.ConfigError,
     match=r"2 x 2 rows per batch, which learner.minibatches x learner.microbatches = 3 x 1",
   ):
-    validation.check(_config(**{"learner.minibatches": 3}))
+    config_lib.typed(_config(**{"learner.minibatches": 3}))
+
+
+def test_typed_config_is_one_frozen_tree_with_one_name_per_value():
+  """The ConfigDict becomes `TrainConfig` once: frozen sections, the learner a LearnerConfig whose
+  num_turns is rollout.max_turns (no second key for it), every bad key named at once."""
+  typed = config_lib.typed(_config(**{"rollout.max_turns": 2}))
+  assert config_lib.typed(typed) is typed
+  assert typed.rollout.max_turns == 2 and typed.learner.num_turns == 2
+  assert isinstance(typed.learner, trainer.learner.LearnerConfig)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    typed.rollout.max_turns = 5
+  with pytest.raises(TypeError):
+    typed.env.options["num_dials"] = 5  # a read-only mapping
+  config = _config()
+  assert "num_turns" not in config.learner
+  # A setting the learner refuses is named as the config's key, not LearnerConfig's field.
+  with pytest.raises(config_lib.ConfigError) as error:
+    config_lib.typed(_config(**{"learner.clip_low": 1.5}))
+  assert str(error.value) == "learner.clip_low=1.5; allowed: a number in [0, 1)"
+  # Several bad keys: every one in the one message, in the tree's order.
+  with pytest.raises(config_lib.ConfigError) as error:
+    config_lib.typed(_config(**{"rollout.top_p": 0.0, "eval.k": 0, "mesh.fsdp": 0}))
+  assert str(error.value) == (
+    "rollout.top_p=0.0; allowed: a number in (0, 1] (1: off); eval.k=0; allowed: an int >= 1; "
+    "mesh.fsdp=0; allowed: an int >= 1, or -1 (the devices left)"
+  )
+
+
+def test_typed_config_refuses_a_key_nothing_reads_and_a_missing_key():
+  """A config file with a key that no part reads (a typo in a file of experiments/configs) or
+  without one that the program needs is refused, naming it."""
+  config = _config()
+  config.unlock()
+  config.rollout.max_turn = 3
+  del config.eval["greedy"]
+  with pytest.raises(config_lib.ConfigError) as error:
+    config_lib.typed(config)
+  message = str(error.value)
+  assert "rollout.max_turn: unknown key; known: [" in message
+  assert "eval.greedy: missing" in message
 
 
 @pytest.mark.parametrize(
@@ -685,7 +726,7 @@ def test_run_py_refuses_a_workdir_that_is_a_file(tmp_path):
 
 
 def test_build_turns_only_validation_errors_into_config_errors(monkeypatch):
-  with pytest.raises(trainer.ConfigError, match="rollout: RolloutConfig.max_turns must be"):
+  with pytest.raises(trainer.ConfigError, match=r"^rollout.max_turns=0; allowed: an int >= 1$"):
     trainer.build(_config(**{"rollout.max_turns": 0}))
 
   def buggy(*args, **kwargs):

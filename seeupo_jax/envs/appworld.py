@@ -51,7 +51,6 @@ full doc with apis.api_docs.show_api_doc(...) in every mode.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 from typing import Optional, Sequence
@@ -59,6 +58,7 @@ from typing import Optional, Sequence
 from absl import logging
 import httpx
 
+from seeupo_jax import fields
 from seeupo_jax.envs import appworld_client as client_lib
 from seeupo_jax.envs import base
 
@@ -102,6 +102,8 @@ NO_CODE_MESSAGE = (
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 _CODE_BLOCK = re.compile(r"```(?:python3?|py)[ \t]*\r?\n(.*?)```", re.DOTALL)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_POSITIVE = fields.int_at_least(1)
+_SECONDS = fields.described(fields.number_above(0), "seconds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,98 +136,72 @@ class AppWorldConfig:
     recheck_s: a server out of the pool is probed again after this long.
   """
 
-  urls: str = ""
-  host: str = "127.0.0.1"
-  base_port: int = 8000
-  num_servers: int = 1
-  datasets_dir: str = ""
-  train_split: str = "train"
-  eval_split: str = "dev"
-  train_ids_file: str = ""
-  eval_ids_file: str = ""
-  max_turns: int = 30
-  api_docs: str = "names"
-  max_observation_chars: int = 20_000
-  code_timeout_s: int = 100
-  experiment_name: str = "seeupo"
-  success_reward: float = 1.5
-  partial_reward_weight: float = 0.5
-  garbled_reward: float = -1.0
-  garbled_min_replies: int = 1
-  timeout_s: float = 180.0
-  connect_timeout_s: float = 5.0
-  health_timeout_s: float = 5.0
-  retries: int = 3
-  backoff_s: float = 0.5
-  lease_timeout_s: float = 30.0
-  recheck_s: float = 30.0
+  urls: str = fields.field(fields.STRING, "")
+  host: str = fields.field(fields.STRING, "127.0.0.1")
+  base_port: int = fields.field(fields.described(fields.int_in(1, 65535), "a port"), 8000)
+  num_servers: int = fields.field(_POSITIVE, 1)
+  datasets_dir: str = fields.field(fields.STRING, "")
+  train_split: str = fields.field(fields.one_of(SPLITS), "train")
+  eval_split: str = fields.field(fields.one_of(SPLITS), "dev")
+  train_ids_file: str = fields.field(fields.STRING, "")
+  eval_ids_file: str = fields.field(fields.STRING, "")
+  max_turns: int = fields.field(_POSITIVE, 30)
+  api_docs: str = fields.field(fields.one_of(API_DOCS_MODES), "names")
+  max_observation_chars: int = fields.field(_POSITIVE, 20_000)
+  code_timeout_s: int = fields.field(_POSITIVE, 100)
+  experiment_name: str = fields.field(
+    fields.Allowed(
+      lambda v: isinstance(v, str) and bool(_NAME.match(v)),
+      "a non-empty name of letters, digits, '_', '.' or '-'",
+    ),
+    "seeupo",
+  )
+  success_reward: float = fields.field(fields.NUMBER, 1.5)
+  partial_reward_weight: float = fields.field(fields.NUMBER, 0.5)
+  garbled_reward: float = fields.field(fields.NUMBER, -1.0)
+  garbled_min_replies: int = fields.field(_POSITIVE, 1)
+  timeout_s: float = fields.field(_SECONDS, 180.0)
+  connect_timeout_s: float = fields.field(_SECONDS, 5.0)
+  health_timeout_s: float = fields.field(_SECONDS, 5.0)
+  retries: int = fields.field(fields.int_at_least(0), 3)
+  backoff_s: float = fields.field(_SECONDS, 0.5)
+  lease_timeout_s: float = fields.field(_SECONDS, 30.0)
+  recheck_s: float = fields.field(_SECONDS, 30.0)
 
   def __post_init__(self):
-    def fail(name: str, allowed: str):
-      raise ValueError(f"appworld.{name} must be {allowed}, got {getattr(self, name)!r}")
-
-    for name in ("base_port",):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 65535:
-        fail(name, "an int port in [1, 65535]")
-    for name in (
-      "num_servers",
-      "max_turns",
-      "max_observation_chars",
-      "code_timeout_s",
-      "garbled_min_replies",
-    ):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        fail(name, "an int >= 1")
+    fields.check(self, "appworld")
     if self.base_port + self.num_servers - 1 > 65535:
-      raise ValueError(
-        f"appworld.base_port + appworld.num_servers - 1 must be <= 65535, got "
-        f"{self.base_port} + {self.num_servers} - 1"
+      raise fields.FieldError.of(
+        "appworld",
+        "num_servers",
+        self.num_servers,
+        f"at most {65536 - self.base_port} (base_port + num_servers - 1 <= 65535)",
       )
-    if not isinstance(self.retries, int) or isinstance(self.retries, bool) or self.retries < 0:
-      fail("retries", "an int >= 0")
-    for name in ("success_reward", "partial_reward_weight", "garbled_reward"):
-      value = getattr(self, name)
-      if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        fail(name, "a finite number")
-    for name in (
-      "timeout_s",
-      "connect_timeout_s",
-      "health_timeout_s",
-      "backoff_s",
-      "lease_timeout_s",
-      "recheck_s",
-    ):
-      value = getattr(self, name)
-      if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        fail(name, "a number > 0 (seconds)")
     if self.timeout_s <= self.code_timeout_s:
-      raise ValueError(
-        f"appworld.timeout_s ({self.timeout_s}) must exceed appworld.code_timeout_s "
-        f"({self.code_timeout_s}): a healthy server may take that long to run one reply's code"
+      raise fields.FieldError.of(
+        "appworld",
+        "timeout_s",
+        self.timeout_s,
+        f"a number > appworld.code_timeout_s = {self.code_timeout_s}: a healthy server may take "
+        "that long to run one reply's code",
       )
-    for name in ("train_split", "eval_split"):
-      if getattr(self, name) not in SPLITS:
-        fail(name, f"one of {list(SPLITS)}")
-    if self.api_docs not in API_DOCS_MODES:
-      fail("api_docs", f"one of {list(API_DOCS_MODES)}")
-    if not isinstance(self.experiment_name, str) or not _NAME.match(self.experiment_name):
-      fail("experiment_name", "a non-empty name of letters, digits, '_', '.' or '-'")
-    for name in ("urls", "host", "datasets_dir", "train_ids_file", "eval_ids_file"):
-      if not isinstance(getattr(self, name), str):
-        fail(name, "a string")
     if not self.urls and not self.host:
-      fail("host", "a host name or address when appworld.urls is empty")
+      raise fields.FieldError.of(
+        "appworld", "host", self.host, "a host name or address when appworld.urls is empty"
+      )
     for url in client_lib.parse_urls(self.urls):
       try:
         parsed = httpx.URL(url)
       except httpx.InvalidURL as e:
-        raise ValueError(f"appworld.urls: {url!r} is not a URL: {e}") from None
-      if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ValueError(
-          f"appworld.urls: {url!r} must be an http:// or https:// URL with a host, e.g. "
-          "http://127.0.0.1:8000"
+        parsed = None
+        why = f" ({url!r} is not a URL: {e})"
+      if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+        raise fields.FieldError.of(
+          "appworld",
+          "urls",
+          self.urls,
+          "comma-separated http:// or https:// URLs with a host, e.g. http://127.0.0.1:8000"
+          + (why if parsed is None else f" ({url!r} is not one)"),
         )
 
 

@@ -85,6 +85,7 @@ import threading
 import uuid
 from typing import Any, Optional
 
+from seeupo_jax import fields
 from seeupo_jax.envs import base
 from seeupo_jax.envs import bfcl_calls
 
@@ -97,6 +98,9 @@ SPLITS = (
 INSTALL = "pip install --no-deps bfcl-eval==2026.3.23 mpmath==1.3.0"
 _DETAILS_CHARS = 4000  # the checker's details kept per episode (its instance states can be large)
 _TASK_RANGE = re.compile(r"([a-z_]+):(\d+)(?:-(\d+))?\Z")
+_TASK_RANGES = fields.Allowed(
+  lambda v: isinstance(v, str), "comma-separated 'split:first-last' ranges"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,28 +118,21 @@ class BfclConfig:
     multi_turn_func_doc/); empty: the installed bfcl-eval package's.
   """
 
-  train_tasks: str = "multi_turn_base:0-99"
-  eval_tasks: str = "multi_turn_base:100-199"
-  success_reward: float = 1.5
-  failure_reward: float = 0.0
-  garbled_reward: float = -1.0
-  describe_functions: bool = True
-  max_steps_per_user_turn: int = 0
-  data_dir: str = ""
+  train_tasks: str = fields.field(_TASK_RANGES, "multi_turn_base:0-99")
+  eval_tasks: str = fields.field(_TASK_RANGES, "multi_turn_base:100-199")
+  success_reward: float = fields.field(fields.NUMBER, 1.5)
+  failure_reward: float = fields.field(fields.NUMBER, 0.0)
+  garbled_reward: float = fields.field(fields.NUMBER, -1.0)
+  describe_functions: bool = fields.field(fields.BOOL, True)
+  max_steps_per_user_turn: int = fields.field(
+    fields.described(fields.int_at_least(0), "0: the official limit"), 0
+  )
+  data_dir: str = fields.field(fields.STRING, "")
 
   def __post_init__(self):
+    fields.check(self, "bfcl")
     for name in ("train_tasks", "eval_tasks"):
-      parse_task_ranges(getattr(self, name), name)
-    for name in ("success_reward", "failure_reward", "garbled_reward"):
-      if not isinstance(getattr(self, name), (int, float)) or isinstance(getattr(self, name), bool):
-        raise ValueError(f"bfcl.{name} must be a number, got {getattr(self, name)!r}")
-    if not isinstance(self.describe_functions, bool):
-      raise ValueError(f"bfcl.describe_functions must be a bool, got {self.describe_functions!r}")
-    if not isinstance(self.max_steps_per_user_turn, int) or self.max_steps_per_user_turn < 0:
-      raise ValueError(
-        "bfcl.max_steps_per_user_turn must be an int >= 0 (0: the official limit), got "
-        f"{self.max_steps_per_user_turn!r}"
-      )
+      parse_task_ranges(getattr(self, name), name)  # says which range is wrong
 
 
 def parse_task_ranges(text: str, name: str = "tasks") -> list[str]:

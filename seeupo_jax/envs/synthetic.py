@@ -39,6 +39,7 @@ import zlib
 
 import numpy as np
 
+from seeupo_jax import fields
 from seeupo_jax.envs import base
 
 LEFT_CLUES = ("0", "1", "2", "3", "4")
@@ -61,27 +62,17 @@ class SyntheticConfig:
   seed: mixed into every task's draw.
   """
 
-  num_dials: int = 3
-  decoys: bool = True
-  instructions: bool = True
-  partial_credit: float = 0.5
-  shuffle_decoys: bool = False
-  num_train_tasks: int = 100_000
-  num_eval_tasks: int = 128
-  seed: int = 0
+  num_dials: int = fields.field(fields.int_at_least(1), 3)
+  decoys: bool = fields.field(fields.BOOL, True)
+  instructions: bool = fields.field(fields.BOOL, True)
+  partial_credit: float = fields.field(fields.number_in(0, 1), 0.5)
+  shuffle_decoys: bool = fields.field(fields.BOOL, False)
+  num_train_tasks: int = fields.field(fields.int_at_least(1), 100_000)
+  num_eval_tasks: int = fields.field(fields.int_at_least(1), 128)
+  seed: int = fields.field(fields.INT, 0)
 
   def __post_init__(self):
-    for name in ("num_dials", "num_train_tasks", "num_eval_tasks"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"synthetic.{name} must be an int >= 1, got {value!r}")
-    for name in ("decoys", "instructions", "shuffle_decoys"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"synthetic.{name} must be a bool, got {getattr(self, name)!r}")
-    if not (isinstance(self.partial_credit, (int, float)) and 0 <= self.partial_credit <= 1):
-      raise ValueError(f"synthetic.partial_credit must be in [0, 1], got {self.partial_credit!r}")
-    if not isinstance(self.seed, int):
-      raise ValueError(f"synthetic.seed must be an int, got {self.seed!r}")
+    fields.check(self, "synthetic")
 
 
 def dial_of_reply(text: str) -> str:

@@ -1,8 +1,8 @@
 """`LearnerConfig`: the hyper-parameters of one learner, validated on construction.
 
 Every algorithm of the paper's comparison runs in the same learner and is chosen
-here by name; a bad value raises a `ValueError` that names the field and the
-allowed values.
+here by name; a bad value raises a `fields.FieldError` (a ValueError) that names the field and
+the allowed values.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from seeupo_jax import fields
 from seeupo_jax import losses
 from seeupo_jax.learner import algorithms
 
@@ -25,12 +26,13 @@ DEFAULT_NORMALISATION = {name: spec.normalisation for name, spec in algorithms.R
 """The advantage normalisation each algorithm is defined with (`normalisation=None`)."""
 
 
-def _is_int(value) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
+_POSITIVE = fields.int_at_least(1)
+_CLIP = fields.number_in(0, 1, open_high=True)
 
 
-def _bad(field: str, allowed: str, value) -> ValueError:
-  return ValueError(f"LearnerConfig.{field} must be {allowed}, got {value!r}")
+def _bad(field: str, allowed: str, value) -> fields.FieldError:
+  """The refusal of a value that its field allows on its own but not with the others."""
+  return fields.FieldError.of("LearnerConfig", field, value, allowed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,37 +109,40 @@ class LearnerConfig:
       does not read it.
   """
 
-  algorithm: str = "seeupo"
-  num_turns: int = 10
-  order: str = "reverse"
-  custom_order: tuple[int, ...] = ()
-  normalisation: Optional[str] = None
-  correction: bool = True
-  epochs: int = 1
-  minibatches: int = 1
-  microbatches: int = 1
-  clip_low: float = 0.2
-  clip_high: Optional[float] = None
-  dual_clip: Optional[float] = None
-  correction_clip_low: float = 0.2
-  correction_clip_high: float = 0.2
-  advantage_clip: Optional[float] = 3.0
-  kl_coef: float = 0.002
-  kl_kind: str = "low_var_kl"
-  agg: Optional[str] = None
-  norm_length: Optional[int] = None
-  gamma: float = 1.0
-  gae_lambda: float = 1.0
-  value_clip: Optional[float] = 0.5
-  dynamic_sampling: Optional[bool] = None
-  overlong_max_tokens: Optional[int] = None
-  overlong_cache_tokens: int = 0
-  tis: str = "off"
-  tis_cap: float = 2.0
-  turn_buckets: int = 4
-  dapo_max_refills: int = 3
+  algorithm: str = fields.field(fields.one_of(ALGORITHMS), "seeupo")
+  num_turns: int = fields.field(_POSITIVE, 10)
+  order: str = fields.field(fields.one_of(losses.UPDATE_ORDERS), "reverse")
+  custom_order: tuple[int, ...] = fields.field(fields.tuple_of(fields.int_at_least(0)), ())
+  normalisation: Optional[str] = fields.field(fields.optional(fields.one_of(NORMALISATIONS)), None)
+  correction: bool = fields.field(fields.BOOL, True)
+  epochs: int = fields.field(_POSITIVE, 1)
+  minibatches: int = fields.field(_POSITIVE, 1)
+  microbatches: int = fields.field(_POSITIVE, 1)
+  clip_low: float = fields.field(_CLIP, 0.2)
+  clip_high: Optional[float] = fields.field(fields.optional(_CLIP), None)
+  dual_clip: Optional[float] = fields.field(fields.optional(fields.number_above(1)), None)
+  correction_clip_low: float = fields.field(_CLIP, 0.2)
+  correction_clip_high: float = fields.field(_CLIP, 0.2)
+  advantage_clip: Optional[float] = fields.field(fields.optional(fields.number_above(0)), 3.0)
+  kl_coef: float = fields.field(fields.number_at_least(0), 0.002)
+  kl_kind: str = fields.field(fields.one_of(losses.KL_KINDS), "low_var_kl")
+  agg: Optional[str] = fields.field(fields.optional(fields.one_of(losses.AGGREGATION_MODES)), None)
+  norm_length: Optional[int] = fields.field(fields.optional(_POSITIVE), None)
+  gamma: float = fields.field(fields.number_in(0, 1, open_low=True), 1.0)
+  gae_lambda: float = fields.field(fields.number_in(0, 1), 1.0)
+  value_clip: Optional[float] = fields.field(fields.optional(fields.number_above(0)), 0.5)
+  dynamic_sampling: Optional[bool] = fields.field(fields.optional(fields.BOOL), None)
+  overlong_max_tokens: Optional[int] = fields.field(fields.optional(_POSITIVE), None)
+  overlong_cache_tokens: int = fields.field(fields.int_at_least(0), 0)
+  tis: str = fields.field(fields.one_of(TIS_LEVELS), "off")
+  tis_cap: float = fields.field(
+    fields.described(fields.number_at_least(1), "C in min(pi_old / pi_sampler, C)"), 2.0
+  )
+  turn_buckets: int = fields.field(_POSITIVE, 4)
+  dapo_max_refills: int = fields.field(fields.int_at_least(0), 3)
 
   def __post_init__(self):
+    fields.check(self)  # each field on its own; then what involves the algorithm or other fields
     spec = algorithms.get(self.algorithm)
     defaulted = []
     for field, default in algorithms.COMMON_DEFAULTS.items():
@@ -146,12 +151,6 @@ class LearnerConfig:
         defaulted.append(field)
     # Not a field: the fields left None that took the algorithm's default (`replace` resets them).
     object.__setattr__(self, "_defaulted", tuple(defaulted))
-    for field in ("num_turns", "epochs", "minibatches", "microbatches", "turn_buckets"):
-      value = getattr(self, field)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise _bad(field, "an int >= 1", value)
-    if self.order not in losses.UPDATE_ORDERS:
-      raise _bad("order", f"one of {losses.UPDATE_ORDERS}", self.order)
     if self.order == "custom":
       if sorted(self.custom_order) != list(range(self.num_turns)):
         raise _bad(
@@ -170,47 +169,25 @@ class LearnerConfig:
         raise _bad(
           "correction", "True (the correction applies to algorithm='seeupo' only)", self.correction
         )
-    if spec.on_policy and (self.epochs, self.minibatches) != (1, 1):
-      raise ValueError(
-        f"LearnerConfig.epochs and .minibatches must be 1 for algorithm={self.algorithm!r} "
-        f"(on-policy policy gradient), got epochs={self.epochs}, minibatches={self.minibatches}"
-      )
-    if self.normalisation is not None and self.normalisation not in NORMALISATIONS:
-      raise _bad("normalisation", f"None or one of {NORMALISATIONS}", self.normalisation)
+    if spec.on_policy:
+      for field in ("epochs", "minibatches"):
+        if getattr(self, field) != 1:
+          raise _bad(
+            field,
+            f"1 for algorithm={self.algorithm!r} (on-policy policy gradient)",
+            getattr(self, field),
+          )
     if self.advantage_normalisation not in spec.normalisations:
       allowed = ", ".join(repr(n) for n in spec.normalisations)
       raise _bad(
         "normalisation", f"None, {allowed} for algorithm={self.algorithm!r}", self.normalisation
       )
-    for field in ("clip_low", "clip_high", "correction_clip_low", "correction_clip_high"):
-      value = getattr(self, field)
-      if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise _bad(field, "a float in [0, 1)", value)
-    if self.dual_clip is not None and not self.dual_clip > 1.0:
-      raise _bad("dual_clip", "None or a float > 1", self.dual_clip)
-    if self.advantage_clip is not None and not self.advantage_clip > 0:
-      raise _bad("advantage_clip", "None or a float > 0", self.advantage_clip)
-    if not (isinstance(self.kl_coef, (int, float)) and self.kl_coef >= 0):
-      raise _bad("kl_coef", "a float >= 0", self.kl_coef)
-    if self.kl_kind not in losses.KL_KINDS:
-      raise _bad("kl_kind", f"one of {losses.KL_KINDS}", self.kl_kind)
-    if self.agg not in losses.AGGREGATION_MODES:
-      raise _bad("agg", f"one of {losses.AGGREGATION_MODES}", self.agg)
-    if self.norm_length is not None:
-      if not _is_int(self.norm_length) or self.norm_length < 1:
-        raise _bad("norm_length", "None or an int >= 1", self.norm_length)
-      if self.agg != "seq-mean-token-sum-norm":
-        raise _bad(
-          "norm_length",
-          f"None unless agg='seq-mean-token-sum-norm' (agg is {self.agg!r})",
-          self.norm_length,
-        )
-    if not 0.0 < self.gamma <= 1.0:
-      raise _bad("gamma", "a float in (0, 1]", self.gamma)
-    if not 0.0 <= self.gae_lambda <= 1.0:
-      raise _bad("gae_lambda", "a float in [0, 1]", self.gae_lambda)
-    if self.value_clip is not None and not self.value_clip > 0:
-      raise _bad("value_clip", "None or a float > 0", self.value_clip)
+    if self.norm_length is not None and self.agg != "seq-mean-token-sum-norm":
+      raise _bad(
+        "norm_length",
+        f"None unless agg='seq-mean-token-sum-norm' (agg is {self.agg!r})",
+        self.norm_length,
+      )
     if self.dynamic_sampling and "dynamic_sampling" not in spec.options:
       raise _bad(
         "dynamic_sampling",
@@ -218,11 +195,7 @@ class LearnerConfig:
         self.dynamic_sampling,
       )
     if self.overlong_max_tokens is not None:
-      if not _is_int(self.overlong_max_tokens) or self.overlong_max_tokens < 1:
-        raise _bad("overlong_max_tokens", "None or an int >= 1", self.overlong_max_tokens)
-      if not _is_int(self.overlong_cache_tokens) or not (
-        0 <= self.overlong_cache_tokens <= self.overlong_max_tokens
-      ):
+      if self.overlong_cache_tokens > self.overlong_max_tokens:
         raise _bad(
           "overlong_cache_tokens", "an int in [0, overlong_max_tokens]", self.overlong_cache_tokens
         )
@@ -230,16 +203,6 @@ class LearnerConfig:
       raise _bad(
         "overlong_cache_tokens", "0 unless overlong_max_tokens is set", self.overlong_cache_tokens
       )
-    if self.tis not in TIS_LEVELS:
-      raise _bad("tis", f"one of {TIS_LEVELS}", self.tis)
-    if not (
-      isinstance(self.tis_cap, (int, float))
-      and not isinstance(self.tis_cap, bool)
-      and 1.0 <= self.tis_cap < float("inf")
-    ):
-      raise _bad("tis_cap", "a finite float >= 1 (C in min(pi_old / pi_sampler, C))", self.tis_cap)
-    if not _is_int(self.dapo_max_refills) or self.dapo_max_refills < 0:
-      raise _bad("dapo_max_refills", "an int >= 0", self.dapo_max_refills)
 
   @property
   def spec(self) -> algorithms.Algorithm:

@@ -10,8 +10,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from seeupo_jax import fields
+
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+_POSITIVE = fields.int_at_least(1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,56 +51,36 @@ class ModelConfig:
           (`layers.causal_attend`); 32 is fastest on the 2-core benchmark CPU.
   """
 
-  vocab_size: int
-  hidden_size: int
-  intermediate_size: int
-  num_layers: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  rope_theta: float
-  rms_norm_eps: float
-  tie_word_embeddings: bool
-  attention_bias: bool
-  qk_norm: bool
-  max_position_embeddings: int
-  dtype: str = "float32"
-  param_dtype: str = "float32"
-  remat: str = "none"
-  scan_layers: bool = True
-  attn_block_size: int = 128
+  vocab_size: int = fields.field(_POSITIVE)
+  hidden_size: int = fields.field(_POSITIVE)
+  intermediate_size: int = fields.field(_POSITIVE)
+  num_layers: int = fields.field(_POSITIVE)
+  num_heads: int = fields.field(_POSITIVE)
+  num_kv_heads: int = fields.field(_POSITIVE)
+  head_dim: int = fields.field(_POSITIVE)
+  rope_theta: float = fields.field(fields.number_above(0))
+  rms_norm_eps: float = fields.field(fields.number_above(0))
+  tie_word_embeddings: bool = fields.field(fields.BOOL)
+  attention_bias: bool = fields.field(fields.BOOL)
+  qk_norm: bool = fields.field(fields.BOOL)
+  max_position_embeddings: int = fields.field(_POSITIVE)
+  dtype: str = fields.field(fields.one_of(DTYPES), "float32")
+  param_dtype: str = fields.field(fields.one_of(DTYPES), "float32")
+  remat: str = fields.field(fields.one_of(REMAT_POLICIES), "none")
+  scan_layers: bool = fields.field(fields.BOOL, True)
+  attn_block_size: int = fields.field(_POSITIVE, 128)
 
   def __post_init__(self):
-    for key in (
-      "vocab_size",
-      "hidden_size",
-      "intermediate_size",
-      "num_layers",
-      "num_heads",
-      "num_kv_heads",
-      "head_dim",
-      "max_position_embeddings",
-      "attn_block_size",
-    ):
-      value = getattr(self, key)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"ModelConfig.{key} must be a positive int, got {value!r}")
+    fields.check(self)
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(
-        f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
-        f"ModelConfig.num_kv_heads ({self.num_kv_heads})"
+      raise fields.FieldError.of(
+        "ModelConfig",
+        "num_heads",
+        self.num_heads,
+        f"a multiple of ModelConfig.num_kv_heads = {self.num_kv_heads}",
       )
     if self.head_dim % 2:
-      raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
-    if not self.rope_theta > 0:
-      raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
-    if not self.rms_norm_eps > 0:
-      raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
-    for key in ("dtype", "param_dtype"):
-      if getattr(self, key) not in DTYPES:
-        raise ValueError(f"ModelConfig.{key} must be one of {DTYPES}, got {getattr(self, key)!r}")
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"ModelConfig.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+      raise fields.FieldError.of("ModelConfig", "head_dim", self.head_dim, "an even int (RoPE)")
 
   @property
   def family(self) -> str:

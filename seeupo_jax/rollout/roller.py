@@ -86,6 +86,7 @@ import jax
 import numpy as np
 
 from seeupo_jax import distributed
+from seeupo_jax import fields
 from seeupo_jax import sampling
 from seeupo_jax.chat_tokens import ChatTokens
 from seeupo_jax.envs import base as envs_base
@@ -131,68 +132,39 @@ class RolloutConfig:
   prefill_rows: the rows of every prefill call (more rows with new tokens: several calls).
   """
 
-  max_turns: int
-  max_context_tokens: int = 2048
-  max_env_tokens: int = 512
-  env_workers: int = 16
-  env_isolation: str = "auto"
-  env_call_timeout_s: float = 10.0
-  env_memory_limit_mb: int = 4096
-  reset_retries: int = 2
-  episode_retries: int = 1
-  max_failed_group_fraction: float = 0.25
-  scheduler: str = "continuous"
-  decode_slots: int = 64
-  decode_steps_per_sync: int = 8
-  page_size: int = 32
-  prefill_chunk: int = 64
-  prefill_rows: int = 8
+  max_turns: int = fields.field(fields.int_at_least(1))
+  max_context_tokens: int = fields.field(fields.int_at_least(1), 2048)
+  max_env_tokens: int = fields.field(fields.int_at_least(1), 512)
+  env_workers: int = fields.field(fields.int_at_least(1), 16)
+  env_isolation: str = fields.field(fields.one_of(("auto",) + workers_lib.ISOLATIONS), "auto")
+  env_call_timeout_s: float = fields.field(
+    fields.allowed_of(workers_lib.WorkerConfig, "call_timeout_s"), 10.0
+  )
+  env_memory_limit_mb: int = fields.field(
+    fields.allowed_of(workers_lib.WorkerConfig, "memory_limit_mb"), 4096
+  )
+  reset_retries: int = fields.field(fields.int_at_least(0), 2)
+  episode_retries: int = fields.field(fields.int_at_least(0), 1)
+  max_failed_group_fraction: float = fields.field(fields.number_in(0, 1), 0.25)
+  scheduler: str = fields.field(fields.one_of(SCHEDULERS), "continuous")
+  decode_slots: int = fields.field(fields.int_at_least(1), 64)
+  decode_steps_per_sync: int = fields.field(fields.int_at_least(1), 8)
+  page_size: int = fields.field(fields.int_at_least(1), 32)
+  prefill_chunk: int = fields.field(fields.int_at_least(1), 64)
+  prefill_rows: int = fields.field(fields.int_at_least(1), 8)
 
   def __post_init__(self):
-    for name in ("max_turns", "max_context_tokens", "max_env_tokens", "env_workers"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"RolloutConfig.{name} must be an int >= 1, got {value!r}")
-    for name in ("reset_retries", "episode_retries"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 0:
-        raise ValueError(f"RolloutConfig.{name} must be an int >= 0, got {value!r}")
-    for name in (
-      "decode_slots",
-      "decode_steps_per_sync",
-      "page_size",
-      "prefill_chunk",
-      "prefill_rows",
-    ):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"RolloutConfig.{name} must be an int >= 1, got {value!r}")
-    if self.scheduler not in SCHEDULERS:
-      raise ValueError(f"RolloutConfig.scheduler={self.scheduler!r}; allowed: {list(SCHEDULERS)}")
-    if self.env_isolation not in ("auto",) + workers_lib.ISOLATIONS:
-      raise ValueError(
-        f"RolloutConfig.env_isolation={self.env_isolation!r}; allowed: "
-        f"{['auto', *workers_lib.ISOLATIONS]}"
-      )
-    self.worker_config("thread")  # validates the time and memory limits
-    if not 0.0 <= self.max_failed_group_fraction <= 1.0:
-      raise ValueError(
-        "RolloutConfig.max_failed_group_fraction must be in [0, 1], got "
-        f"{self.max_failed_group_fraction!r}"
-      )
+    fields.check(self)
 
   def worker_config(self, default_isolation: str) -> workers_lib.WorkerConfig:
     """The env workers' config; "auto" isolation becomes `default_isolation` (the spec's)."""
     isolation = default_isolation if self.env_isolation == "auto" else self.env_isolation
-    try:
-      return workers_lib.WorkerConfig(
-        isolation=isolation,
-        workers=self.env_workers,
-        call_timeout_s=self.env_call_timeout_s,
-        memory_limit_mb=self.env_memory_limit_mb,
-      )
-    except ValueError as e:
-      raise ValueError(f"RolloutConfig: {e}") from None
+    return workers_lib.WorkerConfig(
+      isolation=isolation,
+      workers=self.env_workers,
+      call_timeout_s=self.env_call_timeout_s,
+      memory_limit_mb=self.env_memory_limit_mb,
+    )
 
   def session_config(self, max_new_tokens: int) -> sampling.SessionConfig:
     """The sampler session's geometry."""

@@ -64,6 +64,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from absl import logging
 
+from seeupo_jax import fields
 from seeupo_jax.envs import base
 
 ISOLATIONS = ("thread", "process")
@@ -87,23 +88,14 @@ class WorkerConfig:
   start_timeout_s: the most a worker process may take to start.
   """
 
-  isolation: str = "thread"
-  workers: int = 4
-  call_timeout_s: float = 10.0
-  memory_limit_mb: int = 4096
-  start_timeout_s: float = 60.0
+  isolation: str = fields.field(fields.one_of(ISOLATIONS), "thread")
+  workers: int = fields.field(fields.int_at_least(1), 4)
+  call_timeout_s: float = fields.field(fields.number_above(0), 10.0)
+  memory_limit_mb: int = fields.field(fields.described(fields.int_at_least(0), "0: none"), 4096)
+  start_timeout_s: float = fields.field(fields.number_above(0), 60.0)
 
   def __post_init__(self):
-    if self.isolation not in ISOLATIONS:
-      raise ValueError(f"env isolation {self.isolation!r}; allowed: {list(ISOLATIONS)}")
-    if not isinstance(self.workers, int) or self.workers < 1:
-      raise ValueError(f"env workers must be an int >= 1, got {self.workers!r}")
-    for name in ("call_timeout_s", "start_timeout_s"):
-      value = getattr(self, name)
-      if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ValueError(f"{name} must be a number > 0, got {value!r}")
-    if not isinstance(self.memory_limit_mb, int) or self.memory_limit_mb < 0:
-      raise ValueError(f"memory_limit_mb must be an int >= 0, got {self.memory_limit_mb!r}")
+    fields.check(self)
 
 
 @dataclasses.dataclass(eq=False)

@@ -5,6 +5,7 @@ orbax (keep-last-N, a save interval, atomic saves, a fall back past unreadable c
 clear error when the workdir belongs to a different model or config); `metrics_log` writes one
 JSON line per iteration plus TensorBoard events (skipping torn lines when it reads), plots the
 curves and formats evaluation tables; `workdir` checks and locks a run's directory;
-`validation` checks a config's numeric ranges before anything is built. The model's HF
+`config` turns the ConfigDict into one frozen, typed config tree, checked once, before anything
+is built (`config.typed`). The model's HF
 safetensors export stays in `seeupo_jax.models.checkpoint`.
 """

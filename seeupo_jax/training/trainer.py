@@ -59,14 +59,14 @@ from seeupo_jax.models import checkpoint as hf_checkpoint
 from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.models import qwen
 from seeupo_jax.training import checkpoints
+from seeupo_jax.training import config as config_lib
 from seeupo_jax.training import evaluation
 from seeupo_jax.training import metrics_log
 from seeupo_jax.training import oracle
-from seeupo_jax.training import validation
 from seeupo_jax.training import workdir as workdir_lib
 from seeupo_jax.training.tasks import TaskStream
 
-POLICIES = ("model", "oracle")
+POLICIES = config_lib.POLICIES
 # Config keys that may change when a workdir is resumed or evaluated.
 ALLOWED_TO_DIFFER = checkpoints.DEFAULT_ALLOWED_TO_DIFFER + ("eval_only", "policy")
 
@@ -84,7 +84,8 @@ CURVE_KEYS = (
 )
 
 
-ConfigError = validation.ConfigError
+ConfigError = config_lib.ConfigError
+TrainConfig = config_lib.TrainConfig
 WorkdirError = workdir_lib.WorkdirError
 
 
@@ -129,12 +130,7 @@ class Program:
     self.env_workers.shutdown()
 
 
-def env_options(env: ml_collections.ConfigDict) -> dict:
-  """The environment's options: every key of the `env` section but `name`."""
-  return {k: v for k, v in env.to_dict().items() if k != "name"}
-
-
-def build_model(config: ml_collections.ConfigDict):
+def build_model(config: TrainConfig):
   """(ModelConfig, tokenizer, params loader) from `config.model`."""
   m = config.model
   overrides = dict(
@@ -179,7 +175,7 @@ def build_model(config: ml_collections.ConfigDict):
   return model_config, tokenizer, load
 
 
-def build_optimizer(o: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def build_optimizer(o: config_lib.OptimizerSection) -> optax.GradientTransformation:
   """Global-norm clip, then AdamW with an optional linear warm-up."""
   lr = o.learning_rate
   if o.warmup_steps:
@@ -189,61 +185,17 @@ def build_optimizer(o: ml_collections.ConfigDict) -> optax.GradientTransformatio
   )
 
 
-def build_rollout_config(
-  r: ml_collections.ConfigDict, num_processes: int = 1
-) -> rollout.RolloutConfig:
-  """The `RolloutConfig` of the config's `rollout` section (raises ValueError on a bad value).
+def build(config: TrainConfig | ml_collections.ConfigDict) -> Program:
+  """Builds the program's parts from a training config (a ConfigDict is made typed first).
 
-  With many processes, each process's: `decode_slots` is shared out (slots / processes each).
-  """
-  if num_processes > 1 and r.decode_slots % num_processes:
-    raise ConfigError(
-      f"rollout.decode_slots={r.decode_slots} must be divisible by the {num_processes} "
-      "processes (each samples on decode_slots / processes rows)"
-    )
-  # Every `RolloutConfig` field the section has, under its own name (a new field needs only
-  # its key in `experiments/configs/base.py`); the slots are this process's share.
-  fields = {f.name: r[f.name] for f in dataclasses.fields(rollout.RolloutConfig) if f.name in r}
-  fields["decode_slots"] = r.decode_slots // num_processes
-  return rollout.RolloutConfig(**fields)
-
-
-def generation_budget(r: ml_collections.ConfigDict) -> int:
-  """The most tokens a trajectory can generate: min(max_context_tokens, max_turns x
-  max_reply_tokens) (the prompt and environment output only lower it)."""
-  return min(r.max_context_tokens, r.max_turns * r.max_reply_tokens)
-
-
-def build_learner_config(
-  section: ml_collections.ConfigDict, r: ml_collections.ConfigDict
-) -> learner.LearnerConfig:
-  """The `LearnerConfig` of the config's `learner` section (num_turns = rollout.max_turns).
-
-  With agg="seq-mean-token-sum-norm" (Dr. GRPO) and `norm_length` left unset, norm_length is
-  the run's `generation_budget`: the batch's padded length L, which the aggregation divides by
-  otherwise, is the longest trajectory rounded up to a bucket (`rollout.collate`), so it would
-  change between iterations and rescale the loss; the budget is the same every iteration and is
-  the constant the Dr. GRPO paper divides by. `--config.learner.norm_length=N` overrides it.
-  """
-  fields = section.to_dict()
-  fields["custom_order"] = tuple(fields.get("custom_order") or ())
-  config = learner.LearnerConfig(num_turns=r.max_turns, **fields)
-  if config.agg == "seq-mean-token-sum-norm" and config.norm_length is None:
-    config = config.replace(norm_length=generation_budget(r))
-  return config
-
-
-def build(config: ml_collections.ConfigDict) -> Program:
-  """Builds the program's parts from a training config (validating it).
-
-  Only the config's validation raises ConfigError; any other exception is a bug and propagates
-  as it is.
+  Only the config's checks raise ConfigError (`config_lib.typed`, then what needs the processes,
+  the devices or the environment); any other exception is a bug and propagates as it is.
 
   Raises:
     ConfigError: a bad value (the message names the key and what is allowed).
     envs.EnvironmentUnavailable: the config's environment cannot run here.
   """
-  validation.check(config)
+  config = config_lib.typed(config)
   processes = distributed.Processes.current()
   env_name = config.env.name
   r = config.rollout
@@ -256,32 +208,35 @@ def build(config: ml_collections.ConfigDict) -> Program:
     spec = envs.make_spec(
       env_name,
       envs.process_options(
-        env_name, env_options(config.env), processes.index, processes.count, processes.local_index
+        env_name, config.env_options(), processes.index, processes.count, processes.local_index
       ),
     )
   model_config, tokenizer, load_params = build_model(config)
   with _config_values("chat_template_kwargs"):
-    chat = chat_tokens.ChatTokens(tokenizer, config.chat_template_kwargs.to_dict())
+    chat = chat_tokens.ChatTokens(tokenizer, dict(config.chat_template_kwargs))
   with _config_values("mesh"):
-    mesh = sharding_lib.make_mesh(**config.mesh.to_dict())
+    mesh = sharding_lib.make_mesh(**dataclasses.asdict(config.mesh))
   if processes.count > 1:
     _check_row_blocks(mesh, r.tasks_per_iteration * r.samples_per_task, processes)
 
   stops = tuple(sorted(set(tokenizer_lib.stop_token_ids(tokenizer)) | {chat.end_of_turn_id}))
   pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-  with _config_values("rollout"):
-    sampling_config = sampling.SamplingConfig(
-      max_new_tokens=r.max_reply_tokens,
-      temperature=r.temperature,
-      top_k=r.top_k,
-      top_p=r.top_p,
-      stop_token_ids=stops,
-      pad_id=pad_id,
+  if processes.count > 1 and r.decode_slots % processes.count:
+    raise ConfigError(
+      f"rollout.decode_slots={r.decode_slots} must be divisible by the {processes.count} "
+      "processes (each samples on decode_slots / processes rows)"
     )
-    rollout_config = build_rollout_config(r, processes.count)
-  eval_sampling = dataclasses.replace(sampling_config, greedy=bool(config.eval.greedy))
-  with _config_values("learner"):
-    learner_config = build_learner_config(config.learner, r)
+  sampling_config = sampling.SamplingConfig(
+    max_new_tokens=r.max_reply_tokens,
+    temperature=r.temperature,
+    top_k=r.top_k,
+    top_p=r.top_p,
+    stop_token_ids=stops,
+    pad_id=pad_id,
+  )
+  rollout_config = r.rollout_config(processes.count)
+  eval_sampling = dataclasses.replace(sampling_config, greedy=config.eval.greedy)
+  learner_config = config.learner
   optimizer = build_optimizer(config.optimizer)
   logprob_fn = learner.qwen_logprob_fn(model_config, temperature=r.temperature)
   ppo = learner_config.spec.critic
@@ -474,11 +429,12 @@ def _eval_key(seed: int, iteration: int) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed + 1_000_003), iteration)
 
 
-def main(config: ml_collections.ConfigDict, workdir: str, defaults=None) -> dict:
+def main(config: TrainConfig | ml_collections.ConfigDict, workdir: str, defaults=None) -> dict:
   """Runs what the config asks: the oracle check, an evaluation, or training.
 
   Args:
-    config: the training config, overrides applied.
+    config: the training config (a ConfigDict, overrides applied, is made typed first:
+      `config_lib.typed`).
     workdir: the run's directory.
     defaults: the config before overrides (the config file's `get_config()`): a key that a
       resumed checkpoint lacks (added since) may be at its default (`checkpoints.check_config`).
@@ -488,9 +444,7 @@ def main(config: ml_collections.ConfigDict, workdir: str, defaults=None) -> dict
     WorkdirError: the workdir is a file, locked by a live run, or holds only unreadable
       checkpoints.
   """
-  validation.check(config)
-  if config.policy not in POLICIES:
-    raise ConfigError(f"policy={config.policy!r}; allowed: {list(POLICIES)}")
+  config = config_lib.typed(config)
   if config.policy == "oracle":
     return check_oracle(config, workdir)
   if config.eval_only:
@@ -498,7 +452,7 @@ def main(config: ml_collections.ConfigDict, workdir: str, defaults=None) -> dict
   return train(config, workdir, defaults)
 
 
-def check_oracle(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def check_oracle(config: TrainConfig, workdir: str) -> dict:
   """Plays every train and eval task with the environment's oracle; prints and returns the report.
 
   Raises:
@@ -506,7 +460,7 @@ def check_oracle(config: ml_collections.ConfigDict, workdir: str) -> dict:
     oracle.OracleFailure: an oracle episode failed (a broken install).
   """
   try:
-    spec = envs.make_spec(config.env.name, env_options(config.env))
+    spec = envs.make_spec(config.env.name, config.env_options())
   except ValueError as e:
     raise ConfigError(str(e)) from e
   if spec.oracle is None:
@@ -514,10 +468,7 @@ def check_oracle(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if jax.process_count() > 1:
     raise ConfigError("policy='oracle' plays no model: run it as one process")
   r = config.rollout
-  try:
-    worker_config = build_rollout_config(r).worker_config(spec.isolation)
-  except ValueError as e:
-    raise ConfigError(str(e)) from e
+  worker_config = r.rollout_config().worker_config(spec.isolation)
   workdir_lib.prepare(workdir)
   env_workers = rollout.make_workers(spec, worker_config)
   try:
@@ -531,15 +482,16 @@ def check_oracle(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def _checkpointer(
-  config: ml_collections.ConfigDict, workdir: str, defaults=None, *, read_only: bool = False
+  config: TrainConfig, workdir: str, defaults=None, *, read_only: bool = False
 ) -> checkpoints.Checkpointer:
   """The workdir's checkpoints, checked against `config` (keys in ALLOWED_TO_DIFFER may change;
   keys the checkpoint lacks may be at their `defaults`)."""
+  config = config_lib.typed(config)
   return checkpoints.Checkpointer(
     os.path.join(workdir, "checkpoints"),
     keep=config.checkpoint.keep,
     every=config.checkpoint.every,
-    config=json.loads(config.to_json_best_effort()),
+    config=dict(config.source),
     allowed_to_differ=ALLOWED_TO_DIFFER,
     defaults=None if defaults is None else json.loads(defaults.to_json_best_effort()),
     read_only=read_only,
@@ -560,13 +512,16 @@ def _restore(checkpointer: checkpoints.Checkpointer, workdir: str, what: str, st
     ) from e
 
 
-def evaluate_only(config: ml_collections.ConfigDict, workdir: str, defaults=None) -> dict:
+def evaluate_only(
+  config: TrainConfig | ml_collections.ConfigDict, workdir: str, defaults=None
+) -> dict:
   """Evaluates the workdir's latest checkpoint (or, without one, the initial weights).
 
   avg@k / pass@k on `eval.num_tasks` eval tasks (k samples, or 1 greedy), printed and written to
   `eval_<iteration>.json` in the workdir. Takes no lock and changes no checkpoint, so it can run
   beside the workdir's trainer.
   """
+  config = config_lib.typed(config)
   workdir_lib.prepare(workdir)
   program = build(config)
   try:
@@ -599,14 +554,16 @@ def _evaluate_only(config, workdir: str, program: Program, defaults=None) -> dic
   return scores
 
 
-def train(config: ml_collections.ConfigDict, workdir: str, defaults=None) -> dict[str, float]:
+def train(
+  config: TrainConfig | ml_collections.ConfigDict, workdir: str, defaults=None
+) -> dict[str, float]:
   """Trains (or resumes) as `config` says, writing logs and checkpoints to `workdir`.
 
   The workdir is locked for the run (`workdir.lock`, by process 0): a second trainer on it is
   refused before it builds anything. Returns the last iteration's metrics and the final
   evaluation.
   """
-  validation.check(config)
+  config = config_lib.typed(config)
   workdir_lib.prepare(workdir)
   held = workdir_lib.lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
   with held:

@@ -1,0 +1,331 @@
+"""The training program's config: one frozen, typed tree, made and checked once at the boundary.
+
+    config = training.config.typed(config_dict)  # ConfigError: "rollout.max_turns=0; allowed: ..."
+    config.rollout.max_turns                     # 3, one name for the value everywhere
+    config.learner                               # a LearnerConfig (num_turns = rollout.max_turns)
+
+`experiments/run.py` reads `--config` (a file of `experiments/configs` and `--config.a.b=value`
+overrides, through `ml_collections.config_flags`) and turns the ConfigDict into a `TrainConfig`
+here, before anything is built or started; every part of the program receives the tree. Each
+field says what it allows with `seeupo_jax.fields` (the same declarations as the dataclasses the
+trainer builds from it: `RolloutConfig`, `SamplingConfig`, `LearnerConfig`, `WorkerConfig`), and
+`typed` refuses a config with one `ConfigError` that names every bad key and what it allows, a
+missing key, or a key nothing reads. A value has one name: `rollout.max_turns` is the learner's
+`num_turns` too (there is no `learner.num_turns` key), `rollout.max_reply_tokens` the sampler's
+`max_new_tokens`.
+
+Not checked here: the environment's own options (`env.*` but `name`), which its config dataclass
+checks with the same helper when `envs.make_spec` makes it (the trainer reports that as a
+ConfigError too); the model checkpoint's files; the mesh against the devices present.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+from typing import Any, Mapping
+
+import ml_collections
+
+from seeupo_jax import fields
+from seeupo_jax import learner
+from seeupo_jax import rollout
+from seeupo_jax import sampling
+from seeupo_jax.models import config as model_config_lib
+
+PROGRAMS = ("train",)
+POLICIES = ("model", "oracle")
+TURN_LIMIT_OPTIONS = {"appworld": "max_turns"}
+"""Environments with an option that limits an episode's replies: the training program sets it to
+`rollout.max_turns` (`TrainConfig.env_options`); the `env` section has no key for it."""
+
+
+class ConfigError(ValueError):
+  """A bad config value; the message names the key and the allowed values."""
+
+
+_POSITIVE = fields.int_at_least(1)
+
+
+def _like(cls, name: str, note: str | None = None) -> Any:
+  """A field that allows what field `name` of dataclass `cls` allows (one declaration)."""
+  allowed = fields.allowed_of(cls, name)
+  return fields.field(fields.described(allowed, note) if note else allowed)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+  """`model`: which model, in which dtypes (`trainer.build_model`)."""
+
+  preset: str = fields.field(fields.STRING)  # used when path is empty ("": none)
+  path: str = fields.field(fields.STRING)  # a local HF checkpoint directory
+  dtype: str = _like(model_config_lib.ModelConfig, "dtype")
+  param_dtype: str = _like(model_config_lib.ModelConfig, "param_dtype")
+  remat: str = _like(model_config_lib.ModelConfig, "remat")
+  scan_layers: bool = _like(model_config_lib.ModelConfig, "scan_layers")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSection:
+  """`env`: the environment's name and its options (every other key of the section)."""
+
+  name: str
+  options: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+  """`rollout`: the batch, the limits, the sampler and the engine (`RolloutConfig`'s fields, each
+  under its own name, allow what `RolloutConfig` allows)."""
+
+  tasks_per_iteration: int = fields.field(_POSITIVE)  # B
+  samples_per_task: int = fields.field(_POSITIVE)  # n, the group size
+  max_reply_tokens: int = _like(sampling.SamplingConfig, "max_new_tokens")
+  temperature: float = _like(sampling.SamplingConfig, "temperature")
+  top_k: int = _like(sampling.SamplingConfig, "top_k")
+  top_p: float = _like(sampling.SamplingConfig, "top_p")
+  decode_tensor_parallel: int = fields.field(
+    fields.described(fields.int_at_least(0), "0: one data slice's devices")
+  )
+  max_turns: int = _like(rollout.RolloutConfig, "max_turns")
+  max_context_tokens: int = _like(rollout.RolloutConfig, "max_context_tokens")
+  max_env_tokens: int = _like(rollout.RolloutConfig, "max_env_tokens")
+  env_workers: int = _like(rollout.RolloutConfig, "env_workers")
+  env_isolation: str = _like(rollout.RolloutConfig, "env_isolation")
+  env_call_timeout_s: float = _like(rollout.RolloutConfig, "env_call_timeout_s")
+  env_memory_limit_mb: int = _like(rollout.RolloutConfig, "env_memory_limit_mb")
+  reset_retries: int = _like(rollout.RolloutConfig, "reset_retries")
+  episode_retries: int = _like(rollout.RolloutConfig, "episode_retries")
+  max_failed_group_fraction: float = _like(rollout.RolloutConfig, "max_failed_group_fraction")
+  scheduler: str = _like(rollout.RolloutConfig, "scheduler")
+  decode_slots: int = _like(rollout.RolloutConfig, "decode_slots")
+  decode_steps_per_sync: int = _like(rollout.RolloutConfig, "decode_steps_per_sync")
+  page_size: int = _like(rollout.RolloutConfig, "page_size")
+  prefill_chunk: int = _like(rollout.RolloutConfig, "prefill_chunk")
+  prefill_rows: int = _like(rollout.RolloutConfig, "prefill_rows")
+
+  def rollout_config(self, num_processes: int = 1) -> rollout.RolloutConfig:
+    """The engine's `RolloutConfig`: every one of its fields under its own name, the slots
+    this process's share (decode_slots / processes)."""
+    values = {f.name: getattr(self, f.name) for f in dataclasses.fields(rollout.RolloutConfig)}
+    values["decode_slots"] = self.decode_slots // num_processes
+    return rollout.RolloutConfig(**values)
+
+  @property
+  def generation_budget(self) -> int:
+    """The most tokens a trajectory can generate: min(max_context_tokens, max_turns x
+    max_reply_tokens) (the prompt and environment output only lower it)."""
+    return min(self.max_context_tokens, self.max_turns * self.max_reply_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSection:
+  """`optimizer`: global-norm clip, then AdamW with an optional linear warm-up."""
+
+  learning_rate: float = fields.field(fields.number_above(0))
+  weight_decay: float = fields.field(fields.number_at_least(0))
+  max_grad_norm: float = fields.field(fields.number_above(0))
+  warmup_steps: int = fields.field(fields.int_at_least(0))
+  master_weights: bool = fields.field(fields.BOOL)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+  """`eval`: avg@k / pass@k on `num_tasks` eval tasks, every `every` iterations (0: at the end)."""
+
+  every: int = fields.field(fields.int_at_least(0))
+  num_tasks: int = fields.field(_POSITIVE)
+  k: int = fields.field(_POSITIVE)
+  greedy: bool = fields.field(fields.BOOL)
+  tasks_per_call: int = fields.field(_POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+  every: int = fields.field(_POSITIVE)
+  keep: int = fields.field(_POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSection:
+  tensorboard: bool = fields.field(fields.BOOL)
+  progress_bar: bool = fields.field(fields.BOOL)
+  plot: bool = fields.field(fields.BOOL)
+  trajectories: int = fields.field(fields.int_at_least(0))
+
+
+_MESH_AXIS = fields.Allowed(
+  lambda v: fields.is_int(v) and (v >= 1 or v == -1), "an int >= 1, or -1 (the devices left)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+  data: int = fields.field(_MESH_AXIS)
+  fsdp: int = fields.field(_MESH_AXIS)
+  tensor: int = fields.field(_MESH_AXIS)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """The whole training config, typed and checked (`typed` makes it).
+
+  source: the config as nested plain dicts (its JSON), what checkpoints record and compare.
+  """
+
+  program: str = fields.field(fields.one_of(PROGRAMS))
+  seed: int = fields.field(fields.int_at_least(0))
+  num_iterations: int = fields.field(_POSITIVE)
+  save_hf: bool = fields.field(fields.BOOL)
+  policy: str = fields.field(fields.one_of(POLICIES))
+  eval_only: bool = fields.field(fields.BOOL)
+  model: ModelSection = None
+  chat_template_kwargs: Mapping[str, Any] = None
+  env: EnvSection = None
+  rollout: RolloutSection = None
+  learner: learner.LearnerConfig = None
+  optimizer: OptimizerSection = None
+  eval: EvalSection = None
+  checkpoint: CheckpointSection = None
+  log: LogSection = None
+  mesh: MeshSection = None
+  source: Mapping[str, Any] = dataclasses.field(default=None, repr=False, compare=False)
+
+  def env_options(self) -> dict[str, Any]:
+    """The environment's options: the `env` section's, and its reply limit (if it has one,
+    `TURN_LIMIT_OPTIONS`) from rollout.max_turns."""
+    options = dict(self.env.options)
+    if self.env.name in TURN_LIMIT_OPTIONS:
+      options[TURN_LIMIT_OPTIONS[self.env.name]] = self.rollout.max_turns
+    return options
+
+
+_SECTIONS = {
+  "model": ModelSection,
+  "rollout": RolloutSection,
+  "optimizer": OptimizerSection,
+  "eval": EvalSection,
+  "checkpoint": CheckpointSection,
+  "log": LogSection,
+  "mesh": MeshSection,
+}
+_SCALARS = ("program", "seed", "num_iterations", "save_hf", "policy", "eval_only")
+_KEYS = _SCALARS + tuple(_SECTIONS) + ("chat_template_kwargs", "env", "learner")
+_LEARNER_KEYS = tuple(  # every LearnerConfig field but num_turns (= rollout.max_turns)
+  f.name for f in dataclasses.fields(learner.LearnerConfig) if f.name != "num_turns"
+)
+
+
+def _keys_of(values: Mapping[str, Any], names, prefix: str, problems: list[str]) -> dict:
+  """`values` restricted to `names`; a missing or unknown key is a problem."""
+  missing = [n for n in names if n not in values]
+  unknown = sorted(set(values) - set(names))
+  problems += [f"{prefix}{n}: missing" for n in missing]
+  problems += [f"{prefix}{n}: unknown key; known: {sorted(names)}" for n in unknown]
+  return {n: values[n] for n in names if n in values}
+
+
+def _section(cls, values: Any, name: str, problems: list[str]):
+  """Section `name` as dataclass `cls`; its problems appended (None if it cannot be made)."""
+  if not isinstance(values, Mapping):
+    problems.append(f"{name}: a section of keys {[f.name for f in dataclasses.fields(cls)]}")
+    return None
+  names = [f.name for f in dataclasses.fields(cls)]
+  values = _keys_of(values, names, f"{name}.", problems)
+  if len(values) < len(names):
+    return None
+  section = cls(**values)
+  refused = fields.problems(section)
+  if refused:
+    problems.append(str(fields.FieldError(name, refused)))
+  return section
+
+
+def learner_config(section: Mapping[str, Any], r: RolloutSection) -> learner.LearnerConfig:
+  """The `LearnerConfig` of the `learner` section (num_turns = rollout.max_turns).
+
+  With agg="seq-mean-token-sum-norm" (Dr. GRPO) and `norm_length` left unset, norm_length is
+  the run's `generation_budget`: the batch's padded length L, which the aggregation divides by
+  otherwise, is the longest trajectory rounded up to a bucket (`rollout.collate`), so it would
+  change between iterations and rescale the loss; the budget is the same every iteration and is
+  the constant the Dr. GRPO paper divides by. `--config.learner.norm_length=N` overrides it.
+
+  Raises:
+    fields.FieldError: a bad value, named as LearnerConfig's field.
+  """
+  values = dict(section)
+  values["custom_order"] = tuple(values.get("custom_order") or ())
+  config = learner.LearnerConfig(num_turns=r.max_turns, **values)
+  if config.agg == "seq-mean-token-sum-norm" and config.norm_length is None:
+    config = config.replace(norm_length=r.generation_budget)
+  return config
+
+
+def _batch_split(r: RolloutSection, l: learner.LearnerConfig) -> list[str]:
+  """The batch's B x n rows must split into learner.minibatches x learner.microbatches parts
+  (else the first update fails, mid-run)."""
+  rows, parts = r.tasks_per_iteration * r.samples_per_task, l.minibatches * l.microbatches
+  if rows % parts == 0:
+    return []
+  return [
+    f"rollout.tasks_per_iteration x rollout.samples_per_task = {r.tasks_per_iteration} x "
+    f"{r.samples_per_task} rows per batch, which learner.minibatches x learner.microbatches = "
+    f"{l.minibatches} x {l.microbatches} must divide"
+  ]
+
+
+def typed(config: ml_collections.ConfigDict | TrainConfig) -> TrainConfig:
+  """The config as a checked `TrainConfig` (one already typed is returned as it is).
+
+  Args:
+    config: a training config (`experiments/configs/base.py`'s shape), overrides applied.
+
+  Raises:
+    ConfigError: naming every bad key and what it allows (a missing key, an unknown one, a
+      value out of range, a learner setting the algorithm refuses, a batch the learner's
+      mini- and micro-batches do not divide).
+  """
+  if isinstance(config, TrainConfig):
+    return config
+  source = json.loads(config.to_json_best_effort())
+  problems: list[str] = []
+  values = _keys_of(source, _KEYS, "", problems)
+  scalars = {n: values[n] for n in _SCALARS if n in values}
+  sections = {n: _section(cls, values.get(n, {}), n, problems) for n, cls in _SECTIONS.items()}
+  env = values.get("env", {})
+  if not isinstance(env, Mapping) or not isinstance(env.get("name"), str):
+    problems.append("env.name: missing (a string naming the environment)")
+  elif TURN_LIMIT_OPTIONS.get(env["name"]) in env:
+    key = TURN_LIMIT_OPTIONS[env["name"]]
+    problems.append(f"env.{key}: not a key; the reply limit is rollout.max_turns (one name)")
+  chat = values.get("chat_template_kwargs", {})
+  if not isinstance(chat, Mapping):
+    problems.append(f"chat_template_kwargs={chat!r}; allowed: a section of keyword arguments")
+  learner_values = _keys_of(values.get("learner", {}), _LEARNER_KEYS, "learner.", problems)
+  for name in _SCALARS:  # checked as TrainConfig's own fields
+    allowed = fields.allowed_of(TrainConfig, name)
+    if name in scalars and not allowed.ok(scalars[name]):
+      problems.append(f"{name}={scalars[name]!r}; allowed: {allowed.description}")
+  r = sections["rollout"]
+  learner_cfg = None
+  rollout_ok = r is not None and not fields.problems(r)
+  if rollout_ok and len(learner_values) == len(_LEARNER_KEYS):
+    try:
+      learner_cfg = learner_config(learner_values, r)
+    except fields.FieldError as e:
+      problems.append(str(e.under("learner")))
+  if learner_cfg is not None:
+    problems += _batch_split(r, learner_cfg)
+  if problems:
+    raise ConfigError("; ".join(problems))
+  return TrainConfig(
+    **scalars,
+    **sections,
+    chat_template_kwargs=types.MappingProxyType(dict(chat)),
+    env=EnvSection(
+      name=env["name"], options=types.MappingProxyType({k: v for k, v in env.items() if k != "name"})
+    ),
+    learner=learner_cfg,
+    source=types.MappingProxyType(source),
+  )
