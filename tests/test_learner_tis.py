@@ -336,7 +336,10 @@ OWN_CASES = [(a, level, 1) for a in learner.ALGORITHMS for level in ("token", "s
 def test_tis_with_the_learners_own_logprobs_is_tis_off(algorithm, level, epochs):
   """sample_logp = the learner's log-probs at the starting params: w = 1, the same update bit for
   bit as TIS off (fused first pass with 1 epoch, separate pass with 2), and the same metrics (to
-  an ulp: the two programs compile to different fusions, seen on advantage_abs_mean)."""
+  an ulp: the two programs compile to different fusions, seen on advantage_abs_mean). The mean
+  weight is 1 to an ulp too: `own` comes from another program than the learner's pass, and on
+  some CPUs (AMD EPYC, session 13) a token's two log-probs differ in the last bit, so a sequence
+  weight exp(mean log-ratio) is 1 + 2^-23."""
   batch = BATCHES["ragged"]
   own = jax.jit(logprob_fn)({"table": jnp.asarray(TABLE0)}, jax.tree.map(jnp.asarray, batch))
   batch = batch.replace(sample_logp=np.where(np.asarray(batch.turn_ids) >= 0, own, 0.0))
@@ -344,7 +347,8 @@ def test_tis_with_the_learners_own_logprobs_is_tis_off(algorithm, level, epochs)
   table, metrics = run(config, batch)
   table_off, metrics_off = run(config.replace(tis="off"), batch)
   np.testing.assert_array_equal(table, table_off)
-  assert float(metrics["tis_weight_mean"]) == 1.0 and float(metrics["tis_truncated_share"]) == 0.0
+  assert abs(float(metrics["tis_weight_mean"]) - 1.0) <= 2.0**-22  # two ulps of float32 at 1
+  assert float(metrics["tis_truncated_share"]) == 0.0
   assert sorted(metrics) == sorted(learner.metrics.names(config))
   for name, value in metrics_off.items():
     np.testing.assert_allclose(metrics[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
