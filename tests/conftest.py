@@ -8,11 +8,15 @@ benchmark scripts, the notebooks' kernels) shares one persistent JAX compilation
 temporary directory made by the session's first pytest process (the xdist controller; its
 workers and their children inherit it) and removed when that process ends. A program that
 several tests' subprocesses compile (the same config, shapes and devices) compiles once: most
-of a short `run.py` is compilation on 2 cores (69 s cold, 25 s from the cache, session 12). A
-size limit turns on JAX's file lock around every read and write of the cache. The test
-processes themselves keep it off: some tests time or inspect fresh compilations. A process a
-test kills with SIGKILL must not write to it (a torn entry): such tests turn it off for it
-(`JAX_ENABLE_COMPILATION_CACHE=false`) or hand it a cache of its own already filled.
+of a short `run.py` is compilation on 2 cores (69 s cold, 25 s from the cache, session 12). The
+test processes (the xdist workers) use it too: tests that build the same tiny programs afresh
+(a new closure each, so jit's in-memory cache misses) compile them once (the learner's TIS and
+mask tests: 103 s without it, 74.5 s with it, session 13). A test that times compilation or
+reads a compiled executable's HLO is marked `fresh_compiles`: it runs with the cache off. A
+size limit turns on JAX's file lock around every read and write of the cache (and evicts the
+least recently used entries beyond it). A process a test kills with SIGKILL must not write to
+it (a torn entry): such tests turn it off for it (`JAX_ENABLE_COMPILATION_CACHE=false`) or hand
+it a cache of its own already filled.
 """
 
 import os
@@ -28,16 +32,31 @@ if _CACHE_VAR not in os.environ:  # the session's first pytest process
   _OWN_CACHE = os.environ[_CACHE_VAR] = tempfile.mkdtemp(prefix="seeupo_jax_test_cache_")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ[_CACHE_VAR])
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 import hypothesis  # noqa: E402
 import jax  # noqa: E402
-
-jax.config.update("jax_enable_compilation_cache", False)  # this process: see the docstring
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
+import pytest  # noqa: E402
 
 hypothesis.settings.register_profile("default", deadline=None, max_examples=40, print_blob=True)
 hypothesis.settings.register_profile("thorough", deadline=None, max_examples=400)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compiles(request):
+  """Tests marked `fresh_compiles` compile with the persistent cache off (see the docstring)."""
+  if request.node.get_closest_marker("fresh_compiles") is None:
+    yield
+    return
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()  # the cache's use is decided once, at the first compile
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
 
 
 def pytest_unconfigure(config):

@@ -239,6 +239,8 @@ class DecodeSamplerTest(parameterized.TestCase):
   """The session's decode program on the decode layout: same tokens, and a decode step free of
   weight gathers."""
 
+  # On the class: marks on a method that `named_parameters` expands are lost.
+  pytestmark = [pytest.mark.slow, pytest.mark.fresh_compiles]
   B, S, N, PAGE = 8, 6, 6, 4
 
   def _compile(self, config, mesh, params):
@@ -282,7 +284,6 @@ class DecodeSamplerTest(parameterized.TestCase):
     after = self._compile(layout.model_config, layout.mesh, layout(params))
     return before, after
 
-  @pytest.mark.slow
   @parameterized.named_parameters(
     ("f32_tensor8", "float32", 8, 8, 1e-5),
     ("bf16_tensor4_data2", "bfloat16", 4, 4, 2e-2),

@@ -174,6 +174,7 @@ def cached_update(logprob_fn, optimizer, config):
 # 1. The turn loop is a lax.scan: program size and compile time do not grow with num_turns.
 
 
+@pytest.mark.fresh_compiles
 def test_compile_does_not_grow_with_num_turns():
   n, length, vocab = 8, 40, 7
   batch = jax.tree.map(

@@ -425,6 +425,7 @@ class TokenLogprobsTest(parameterized.TestCase):
     self.assertNotEmpty(sizes)
     self.assertLessEqual(max(sizes), b * chunk * config.vocab_size)
 
+  @pytest.mark.fresh_compiles
   def test_compiled_head_memory_does_not_grow_with_sequence_times_vocab(self):
     """XLA's buffer assignment for grad of the head: temporaries grow with S only by
     hidden-sized terms, never by [B, S, V] logits (4x the positions add 3 MiB of logits)."""

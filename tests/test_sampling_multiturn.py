@@ -354,6 +354,7 @@ def test_page_accounting_and_release(batch):
   assert sorted(session._free) == list(range(1, pool))  # every page but the scratch page
 
 
+@pytest.mark.fresh_compiles
 def test_no_decode_step_copies_a_layer_s_page_pool(model):
   """The decode program reads a layer's cache only block by block, gathered from the stacked
   pools: no instruction of the compiled program produces one layer's whole pool (a slice of it
