@@ -522,6 +522,24 @@ def test_check_config_takes_a_key_absent_from_the_checkpoint_at_its_default():
     checkpoints.check_config(saved, defaults)  # without defaults every absent key differs
 
 
+def test_check_config_follows_a_key_to_the_one_name_it_moved_to():
+  """AppWorld's checkpoints before session 13 hold env.max_turns, a copy of rollout.max_turns;
+  the config has only rollout.max_turns now. Equal values resume; a copy that differed (a run
+  whose env limit was not its rollout limit) is refused, naming both keys."""
+  moved = config_lib.MOVED_KEYS
+  saved = {"env": {"max_turns": 30, "name": "appworld"}, "rollout": {"max_turns": 30}}
+  current = {"env": {"name": "appworld"}, "rollout": {"max_turns": 30}}
+  checkpoints.check_config(saved, current, moved=moved)
+  with pytest.raises(ValueError, match=r"env.max_turns: 30 in the checkpoint, \(absent\) now"):
+    checkpoints.check_config(saved, current)  # not followed: a removed key differs
+  saved["env"]["max_turns"] = 20
+  with pytest.raises(ValueError) as error:
+    checkpoints.check_config(saved, current, moved=moved)
+  assert (
+    "env.max_turns: 20 in the checkpoint, now rollout.max_turns (the key it moved to) is 30"
+  ) in str(error.value)
+
+
 def _drop_saved_key(workdir, section, key):
   """Removes `section.key` from the config in every checkpoint's manifest (as a checkpoint
   written before the key was added, and before the size record)."""

@@ -204,6 +204,7 @@ def check_config(
   current: Mapping[str, Any],
   allowed_to_differ: Sequence[str] = DEFAULT_ALLOWED_TO_DIFFER,
   defaults: Optional[Mapping[str, Any]] = None,
+  moved: Optional[Mapping[str, str]] = None,
 ) -> None:
   """Raises ValueError if a resumed run's config differs from the checkpoint's.
 
@@ -216,6 +217,9 @@ def check_config(
       `get_config()` before overrides. A key absent from the checkpoint (one added to the
       config after the checkpoint was written) whose current value equals its default counts
       as unchanged: the old run behaved as the default does. None: every absent key differs.
+    moved: dotted key -> the key that holds its value since (a value given one name, e.g.
+      "env.max_turns" -> "rollout.max_turns"): a saved key that the config no longer has counts
+      as unchanged while its saved value equals the current value of the key it moved to.
 
   Raises:
     ValueError: listing every other dotted key that was added, removed or changed, with its
@@ -224,12 +228,21 @@ def check_config(
   old = flatten_config(_jsonable(saved, "the saved config"))
   new = flatten_config(_jsonable(current, "the current config"))
   default = {} if defaults is None else flatten_config(_jsonable(defaults, "the defaults"))
+  moved = dict(moved or {})
   missing = object()
   show = lambda v: "(absent)" if v is missing else json.dumps(v)  # noqa: E731
   changed = []
   for key in sorted(set(old) | set(new)):
     a, b = old.get(key, missing), new.get(key, missing)
     if a == b or _allowed(key, allowed_to_differ):
+      continue
+    if b is missing and key in moved:
+      if a == new.get(moved[key], missing):
+        continue  # the value under its one name now, unchanged
+      changed.append(
+        f"{key}: {show(a)} in the checkpoint, now {moved[key]} (the key it moved to) is "
+        f"{show(new.get(moved[key], missing))}"
+      )
       continue
     if a is missing and key in default:
       if b == default[key]:
@@ -398,6 +411,7 @@ class Checkpointer:
       (`check_config`) and refuses a changed config.
     allowed_to_differ: the config keys (dotted prefixes) that may change on resume.
     defaults: the config's defaults, for keys the checkpoint lacks (see `check_config`).
+    moved: keys the config no longer has, and where their values live now (`check_config`).
     read_only: never change the directory: no `save`, leftover temporary directories are left
       alone (they may be a running trainer's save in progress) and unreadable checkpoints are
       not moved aside. For readers beside a trainer (an evaluation).
@@ -412,6 +426,7 @@ class Checkpointer:
     config: Optional[Mapping[str, Any]] = None,
     allowed_to_differ: Sequence[str] = DEFAULT_ALLOWED_TO_DIFFER,
     defaults: Optional[Mapping[str, Any]] = None,
+    moved: Optional[Mapping[str, str]] = None,
     read_only: bool = False,
   ):
     if keep < 1 or every < 1:
@@ -422,6 +437,7 @@ class Checkpointer:
     self._config = None if config is None else _jsonable(config, "config")
     self._defaults = None if defaults is None else _jsonable(defaults, "defaults")
     self._allowed_to_differ = tuple(allowed_to_differ)
+    self._moved = dict(moved or {})
     self._manager = ocp.CheckpointManager(
       self.directory,
       options=ocp.CheckpointManagerOptions(
@@ -537,7 +553,9 @@ class Checkpointer:
       if manifest.get("config") is None:
         logging.warning("checkpoint %s holds no config; the config is not checked", where)
       else:
-        check_config(manifest["config"], self._config, self._allowed_to_differ, self._defaults)
+        check_config(
+          manifest["config"], self._config, self._allowed_to_differ, self._defaults, self._moved
+        )
     check_manifest(manifest[_STATE], abstract_train_state, where)
     if manifest[_RNG] != _rng_manifest(abstract_rng):
       saved, wanted = manifest[_RNG], _rng_manifest(abstract_rng)

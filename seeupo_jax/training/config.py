@@ -39,6 +39,10 @@ POLICIES = ("model", "oracle")
 TURN_LIMIT_OPTIONS = {"appworld": "max_turns"}
 """Environments with an option that limits an episode's replies: the training program sets it to
 `rollout.max_turns` (`TrainConfig.env_options`); the `env` section has no key for it."""
+MOVED_KEYS = {"env.max_turns": "rollout.max_turns"}
+"""Keys that older configs had, and the key that holds the value now: a checkpoint written with
+`env.max_turns` (AppWorld, before session 13) resumes while the values agree
+(`checkpoints.check_config`)."""
 
 
 class ConfigError(ValueError):

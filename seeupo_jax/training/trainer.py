@@ -494,6 +494,7 @@ def _checkpointer(
     config=dict(config.source),
     allowed_to_differ=ALLOWED_TO_DIFFER,
     defaults=None if defaults is None else json.loads(defaults.to_json_best_effort()),
+    moved=config_lib.MOVED_KEYS,
     read_only=read_only,
   )
 
