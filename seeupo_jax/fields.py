@@ -155,7 +155,9 @@ def number_in(low: float, high: float, *, open_low: bool = False, open_high: boo
 
 def one_of(values: Sequence[Any]) -> Allowed:
   values = tuple(values)
-  return Allowed(lambda v: any(v == x and type(v) is type(x) for x in values), f"one of {list(values)}")
+  return Allowed(
+    lambda v: any(v == x and type(v) is type(x) for x in values), f"one of {list(values)}"
+  )
 
 
 def optional(allowed: Allowed) -> Allowed:

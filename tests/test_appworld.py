@@ -754,16 +754,31 @@ def test_api_docs_of_the_wrong_shape_stop_the_start_with_the_endpoint_named(star
 @pytest.mark.parametrize(
   "options,message",
   [
-    ({"api_docs": "all"}, r"appworld.api_docs='all'; allowed: one of \['none', 'names', 'descriptions'\]"),
-    ({"train_split": "training"}, r"appworld.train_split='training'; allowed: one of \['train', 'dev'"),
+    (
+      {"api_docs": "all"},
+      r"appworld.api_docs='all'; allowed: one of \['none', 'names', 'descriptions'\]",
+    ),
+    (
+      {"train_split": "training"},
+      r"appworld.train_split='training'; allowed: one of \['train', 'dev'",
+    ),
     ({"num_servers": 0}, "appworld.num_servers=0; allowed: an int >= 1"),
     ({"base_port": 70000}, r"appworld.base_port=70000; allowed: an int in \[1, 65535\] \(a port\)"),
-    ({"timeout_s": 50.0}, r"appworld.timeout_s=50.0; allowed: a number > appworld.code_timeout_s = 100"),
-    ({"urls": "127.0.0.1:8000"}, "appworld.urls='127.0.0.1:8000'; allowed: comma-separated http:// or https:// URLs"),
+    (
+      {"timeout_s": 50.0},
+      r"appworld.timeout_s=50.0; allowed: a number > appworld.code_timeout_s = 100",
+    ),
+    (
+      {"urls": "127.0.0.1:8000"},
+      "appworld.urls='127.0.0.1:8000'; allowed: comma-separated http:// or https:// URLs",
+    ),
     ({"retries": -1}, "appworld.retries=-1; allowed: an int >= 0"),
     ({"success_reward": float("nan")}, "appworld.success_reward=nan; allowed: a finite number"),
     ({"experiment_name": "a/b"}, "appworld.experiment_name='a/b'; allowed: a non-empty name"),
-    ({"lease_timeout_s": 0}, r"appworld.lease_timeout_s=0; allowed: a finite number > 0 \(seconds\)"),
+    (
+      {"lease_timeout_s": 0},
+      r"appworld.lease_timeout_s=0; allowed: a finite number > 0 \(seconds\)",
+    ),
   ],
 )
 def test_bad_config_names_the_field_and_the_allowed_values(options, message):

@@ -144,5 +144,7 @@ def test_partial_credit_reward(credit):
     opened = wrong == 0
     assert score.success == opened
     assert score.reward == pytest.approx((1 - credit) * opened + credit * (3 - wrong) / 3)
-  with pytest.raises(ValueError, match=r"synthetic.partial_credit=1.5; allowed: a number in \[0, 1\]"):
+  with pytest.raises(
+    ValueError, match=r"synthetic.partial_credit=1.5; allowed: a number in \[0, 1\]"
+  ):
     envs.make_spec("synthetic", {"partial_credit": 1.5})

@@ -359,11 +359,14 @@ def test_tis_is_off_by_default_and_validated():
   assert (config.tis, config.tis_cap) == ("off", 2.0)
   assert "tis_weight_mean" not in learner.metrics.names(config)
   with pytest.raises(
-    ValueError, match=r"LearnerConfig.tis='geometric'; allowed: one of \['off', 'token', 'sequence'\]"
+    ValueError,
+    match=r"LearnerConfig.tis='geometric'; allowed: one of \['off', 'token', 'sequence'\]",
   ):
     learner.LearnerConfig(tis="geometric")
   for cap in (0.9, float("inf"), "2"):
-    with pytest.raises(ValueError, match="LearnerConfig.tis_cap=.*; allowed: a finite number >= 1 "):
+    with pytest.raises(
+      ValueError, match="LearnerConfig.tis_cap=.*; allowed: a finite number >= 1 "
+    ):
       learner.LearnerConfig(tis="token", tis_cap=cap)
   with pytest.raises(ValueError, match="LearnerConfig.dapo_max_refills=-1; allowed: an int >= 0"):
     learner.LearnerConfig(dapo_max_refills=-1)

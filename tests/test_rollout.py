@@ -373,5 +373,7 @@ def test_collate_refuses_what_it_cannot_hold():
 def test_rollout_config_names_bad_values():
   with pytest.raises(ValueError, match="RolloutConfig.max_turns=0; allowed: an int >= 1"):
     rollout.RolloutConfig(max_turns=0)
-  with pytest.raises(ValueError, match=r"max_failed_group_fraction=2.0; allowed: a number in \[0, 1\]"):
+  with pytest.raises(
+    ValueError, match=r"max_failed_group_fraction=2.0; allowed: a number in \[0, 1\]"
+  ):
     dataclasses.replace(rollout.RolloutConfig(max_turns=1), max_failed_group_fraction=2.0)

@@ -309,7 +309,9 @@ def test_errors():
     sampling.SamplerSession(cfg, SAMPLE_CFG, {"rows": 4})
   with pytest.raises(ValueError, match="SessionConfig.page_size=0; allowed: an int >= 1"):
     dataclasses.replace(BATCH, page_size=0)
-  with pytest.raises(ValueError, match="SessionConfig.initial_pages=1; allowed: None or an int >= 2"):
+  with pytest.raises(
+    ValueError, match="SessionConfig.initial_pages=1; allowed: None or an int >= 2"
+  ):
     dataclasses.replace(BATCH, initial_pages=1)
 
 

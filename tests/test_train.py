@@ -173,7 +173,10 @@ def test_outputs_of_a_short_run(tmp_path):
       "--config.rollout.env_isolation=fork",
       "rollout.env_isolation='fork'; allowed: one of ['auto', 'thread', 'process']",
     ),
-    ("--config.rollout.env_call_timeout_s=0.0", "rollout.env_call_timeout_s=0.0; allowed: a finite number > 0"),
+    (
+      "--config.rollout.env_call_timeout_s=0.0",
+      "rollout.env_call_timeout_s=0.0; allowed: a finite number > 0",
+    ),
     ("--config.rollout.prefill_rows=0", "rollout.prefill_rows=0; allowed: an int >= 1"),
   ],
 )

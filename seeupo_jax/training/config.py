@@ -328,7 +328,8 @@ def typed(config: ml_collections.ConfigDict | TrainConfig) -> TrainConfig:
     **sections,
     chat_template_kwargs=types.MappingProxyType(dict(chat)),
     env=EnvSection(
-      name=env["name"], options=types.MappingProxyType({k: v for k, v in env.items() if k != "name"})
+      name=env["name"],
+      options=types.MappingProxyType({k: v for k, v in env.items() if k != "name"}),
     ),
     learner=learner_cfg,
     source=types.MappingProxyType(source),
