@@ -184,17 +184,17 @@ class TrainConfig:
   save_hf: bool = fields.field(fields.BOOL)
   policy: str = fields.field(fields.one_of(POLICIES))
   eval_only: bool = fields.field(fields.BOOL)
-  model: ModelSection = None
-  chat_template_kwargs: Mapping[str, Any] = None
-  env: EnvSection = None
-  rollout: RolloutSection = None
-  learner: learner.LearnerConfig = None
-  optimizer: OptimizerSection = None
-  eval: EvalSection = None
-  checkpoint: CheckpointSection = None
-  log: LogSection = None
-  mesh: MeshSection = None
-  source: Mapping[str, Any] = dataclasses.field(default=None, repr=False, compare=False)
+  model: ModelSection
+  chat_template_kwargs: Mapping[str, Any]
+  env: EnvSection
+  rollout: RolloutSection
+  learner: learner.LearnerConfig
+  optimizer: OptimizerSection
+  eval: EvalSection
+  checkpoint: CheckpointSection
+  log: LogSection
+  mesh: MeshSection
+  source: Mapping[str, Any] = dataclasses.field(repr=False, compare=False)
 
   def env_options(self) -> dict[str, Any]:
     """The environment's options: the `env` section's, and its reply limit (if it has one,
