@@ -50,12 +50,15 @@ def _fresh_compiles(request):
   if request.node.get_closest_marker("fresh_compiles") is None:
     yield
     return
+  was_enabled = (
+    jax.config.jax_enable_compilation_cache
+  )  # False under JAX_ENABLE_COMPILATION_CACHE=false
   jax.config.update("jax_enable_compilation_cache", False)
   compilation_cache.reset_cache()  # the cache's use is decided once, at the first compile
   try:
     yield
   finally:
-    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_enable_compilation_cache", was_enabled)
     compilation_cache.reset_cache()
 
 
