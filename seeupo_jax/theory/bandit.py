@@ -179,6 +179,17 @@ def optimal_return(bandit: Bandit) -> chex.Array:
   return jnp.sum(bandit.context_probs * optimal_values(bandit), -1)
 
 
+def open_loop_optimum(bandit: Bandit) -> chex.Array:
+  """max_a sum_x p(x) r(x, a): the best return of a policy that does not see x.
+
+  A policy pi(a_t | a_<t) that ignores the context induces one distribution
+  P(a) over action sequences for every context, so J = sum_a P(a) R(a) with
+  R(a) = sum_x p(x) r(x, a), linear in P: its maximum over all P is the best
+  single sequence. Scalar float32.
+  """
+  return jnp.max(bandit.context_probs @ bandit.rewards, -1)
+
+
 def optimal_log_policy(bandit: Bandit, enum: Enumeration) -> chex.Array:
   """A deterministic optimal policy as [S, K] log-probs (0 / -inf -> -1e9).
 

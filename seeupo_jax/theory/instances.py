@@ -18,8 +18,24 @@ instances), and draws contexts uniformly. Families:
   The decoy gives a dense signal towards a local optimum worth 0.6; the key
   gives nothing until the whole sequence is hit (probability K^-T under the
   uniform policy). J* = 1.
+* `sparse` (reward sparsity; option `density` rho): in each context, m =
+  max(1, round(rho K^T)) trajectories drawn without replacement pay 1, all
+  others 0. Under the uniform policy a rollout is rewarded with probability
+  m / K^T, so a group of n rollouts sees no reward at all with probability
+  (1 - m / K^T)^n. J* = 1.
+* `scaled` (reward scales that differ by orders of magnitude; option
+  `scale_orders` m): r(x, a) = s_x u(x, a), u ~ U[0, 1] i.i.d., with
+  s_x = 10^(-m x / (X - 1)): context 0 pays on the scale 1, the last context
+  on 10^-m. Dividing each group by its own std gives every context the same
+  weight in the update, while J weighs context x by s_x: under a policy that
+  shares its parameters across contexts (`policies.blind_policy`) the two
+  objectives disagree. J* = sum_x p(x) s_x max_a u(x, a).
+
+Options are keyword arguments of the generators, bound by `make_family`
+(`FAMILY_OPTIONS` lists which family reads which config key).
 """
 
+import functools
 from typing import Callable
 
 import chex
@@ -77,11 +93,48 @@ def decoy_instance(key, num_contexts, num_actions, num_turns):
   )
 
 
+def sparse_instance(key, num_contexts, num_actions, num_turns, density=0.05):
+  """m = max(1, round(density K^T)) random trajectories per context pay 1, the rest 0."""
+  leaves = num_actions**num_turns
+  rewarded = rewarded_leaves(density, num_actions, num_turns)
+  # The m smallest of K^T i.i.d. uniforms are m distinct leaves drawn uniformly.
+  ranks = jnp.argsort(jnp.argsort(jax.random.uniform(key, (num_contexts, leaves)), -1), -1)
+  rewards = (ranks < rewarded).astype(jnp.float32)
+  return bandit_lib.Bandit(rewards, _uniform_contexts(num_contexts), num_turns, num_actions)
+
+
+def rewarded_leaves(density: float, num_actions: int, num_turns: int) -> int:
+  """m = max(1, round(density K^T)): the rewarded trajectories per context of `sparse`."""
+  if not 0.0 < density <= 1.0:
+    raise ValueError(f"config key `density` must be in (0, 1], got {density}")
+  return max(1, int(round(density * num_actions**num_turns)))
+
+
+def context_scales(num_contexts: int, scale_orders: float) -> chex.Array:
+  """[X] float32, s_x = 10^(-m x / (X - 1)) (all 1 for X = 1 or m = 0)."""
+  if scale_orders < 0:
+    raise ValueError(f"config key `scale_orders` must be >= 0, got {scale_orders}")
+  steps = jnp.arange(num_contexts, dtype=jnp.float32) / max(num_contexts - 1, 1)
+  return jnp.power(10.0, -float(scale_orders) * steps)
+
+
+def scaled_instance(key, num_contexts, num_actions, num_turns, scale_orders=2.0):
+  """r(x, a) = s_x u(x, a), u ~ U[0, 1], s_x = 10^(-m x / (X - 1))."""
+  u = jax.random.uniform(key, (num_contexts, num_actions**num_turns), jnp.float32)
+  rewards = context_scales(num_contexts, scale_orders)[:, None] * u
+  return bandit_lib.Bandit(rewards, _uniform_contexts(num_contexts), num_turns, num_actions)
+
+
 FAMILIES: dict[str, InstanceFn] = {
   "random": random_instance,
   "trap": trap_instance,
   "decoy": decoy_instance,
+  "sparse": sparse_instance,
+  "scaled": scaled_instance,
 }
+
+FAMILY_OPTIONS: dict[str, tuple[str, ...]] = {"sparse": ("density",), "scaled": ("scale_orders",)}
+"""The config keys each family reads (keyword arguments of its generator)."""
 
 
 def get_family(name: str) -> InstanceFn:
@@ -91,3 +144,14 @@ def get_family(name: str) -> InstanceFn:
       f"unknown instance family {name!r} (config key `families`); allowed: {sorted(FAMILIES)}"
     )
   return FAMILIES[name]
+
+
+def make_family(name: str, config) -> InstanceFn:
+  """The generator of family `name` with its options read from `config` (a mapping)."""
+  make = get_family(name)
+  options = {key: float(config[key]) for key in FAMILY_OPTIONS.get(name, ())}
+  if name == "sparse":
+    rewarded_leaves(options["density"], 2, 1)  # checks the range before anything is traced
+  if name == "scaled":
+    context_scales(1, options["scale_orders"])
+  return functools.partial(make, **options) if options else make

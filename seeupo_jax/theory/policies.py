@@ -14,6 +14,14 @@ parameter look-ups:
   log-probs moves the other turns' policies too, and for T >= 3 the class
   cannot represent every tabular policy, so J* (over all policies) may be out
   of reach.
+* Blind (one model that cannot tell the contexts apart): one logit per (t,
+  a_<t, a) shared by every context, pi(a_t | a_<t). Contexts with different
+  rewards compete for the same parameters; its own optimum is the best single
+  action sequence (`bandit.open_loop_optimum`), so J / J*_class is exact.
+
+`class_optimum(name, bandit)` is the best return a class can reach where it is
+known exactly (tabular: J*; blind: the open-loop optimum), and J* for the shared
+class, whose own optimum is not computed.
 """
 
 from typing import NamedTuple
@@ -68,7 +76,24 @@ def shared_policy(enum: bandit_lib.Enumeration) -> Policy:
   return Policy(ids.astype(np.int32), int(offsets[-1]))
 
 
-POLICIES = {"tabular": tabular_policy, "shared": shared_policy}
+def blind_policy(enum: bandit_lib.Enumeration) -> Policy:
+  """One logit per (t, a_<t, a), the same in every context: theta has (S / X) * K entries."""
+  k, per_context = enum.num_actions, enum.states_per_context
+  within = np.arange(enum.num_states) % per_context  # the state (t, a_<t) without x
+  ids = (within[:, None] * k + np.arange(k)[None, :]).astype(np.int32)[..., None]
+  return Policy(ids, per_context * k)
+
+
+POLICIES = {"tabular": tabular_policy, "shared": shared_policy, "blind": blind_policy}
+
+
+def class_optimum(name: str, bandit: bandit_lib.Bandit) -> chex.Array:
+  """The best return of policy class `name` (see module doc); scalar float32."""
+  if name not in POLICIES:
+    raise ValueError(f"unknown policy {name!r} (config key `policy`); allowed: {sorted(POLICIES)}")
+  if name == "blind":
+    return bandit_lib.open_loop_optimum(bandit)
+  return bandit_lib.optimal_return(bandit)
 
 
 def get_policy(name: str, enum: bandit_lib.Enumeration) -> Policy:

@@ -31,8 +31,10 @@ def default_config() -> ml_collections.ConfigDict:
   """Defaults of the bandit comparison (`--config=bandit`).
 
   Keys: `seed`, `num_seeds` (runs per setting); problem size
-  `num_contexts` X, `num_actions` K, `num_turns` T; `policy` ("tabular" or
-  "shared"); `families` and `algorithms` (comma-separated names);
+  `num_contexts` X, `num_actions` K, `num_turns` T (2..10, with X K^T <=
+  `MAX_TRAJECTORIES`); `policy` ("tabular", "shared" or "blind"); `families`
+  and `algorithms` (comma-separated names); the family options `density`
+  (`sparse`) and `scale_orders` (`scaled`);
   `num_iterations` I and `group_size` n (the sample budget, I * X * n
   rollouts, is the same for every algorithm); `epochs_per_turn`,
   `minibatches_per_turn`; `clip_eps` (policy clip), `correction_clip`
@@ -52,6 +54,8 @@ def default_config() -> ml_collections.ConfigDict:
   config.algorithms = (
     "seeupo,seeupo_forward,seeupo_random,seeupo_nocorr,seeupo_groupstd,grpo,gspo,reinforce,rloo,ppo"
   )
+  config.density = 0.05
+  config.scale_orders = 2.0
   config.num_iterations = 200
   config.group_size = 16
   config.epochs_per_turn = 2
@@ -70,8 +74,9 @@ class SettingResult(NamedTuple):
 
   Attributes:
     learning_rates: [L] float, the grid.
-    curves: [L, runs, I + 1] float32, J / J* per run.
-    best: index into the grid with the highest mean final J / J*.
+    curves: [L, runs, I + 1] float32, J / J*_class per run (`policies.class_optimum`:
+      J* for the tabular and shared classes, the open-loop optimum for the blind one).
+    best: index into the grid with the highest mean final J / J*_class.
   """
 
   learning_rates: np.ndarray
@@ -81,6 +86,10 @@ class SettingResult(NamedTuple):
   @property
   def best_curves(self) -> np.ndarray:
     return self.curves[self.best]
+
+
+MAX_TRAJECTORIES = 3 * 4**6
+"""The largest X K^T the exact enumeration runs (3 contexts x 2 actions x 10 turns fits)."""
 
 
 def _names(config_value: str, key: str) -> list[str]:
@@ -108,14 +117,20 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for name in _names(config.algorithms, "algorithms"):
     algorithms.get_algorithm(name)
   for name in _names(config.families, "families"):
-    instances.get_family(name)
+    instances.make_family(name, config)
   if config.policy not in policies.POLICIES:
     raise ValueError(
       f"unknown policy {config.policy!r} (config key "
       f"`policy`); allowed: {sorted(policies.POLICIES)}"
     )
-  if not 2 <= config.num_turns <= 6:
-    raise ValueError(f"config key `num_turns` must be in 2..6, got {config.num_turns}")
+  if not 2 <= config.num_turns <= 10:
+    raise ValueError(f"config key `num_turns` must be in 2..10, got {config.num_turns}")
+  trajectories = int(config.num_contexts) * int(config.num_actions) ** int(config.num_turns)
+  if trajectories > MAX_TRAJECTORIES:
+    raise ValueError(
+      f"num_contexts * num_actions ** num_turns = {trajectories} trajectories (config keys "
+      f"`num_contexts`, `num_actions`, `num_turns`); allowed: <= {MAX_TRAJECTORIES}"
+    )
   if int(config.num_seeds) < 2:
     raise ValueError(f"config key `num_seeds` must be >= 2, got {config.num_seeds}")
   learning_rates(config)
@@ -133,16 +148,24 @@ def _seed_keys(config) -> tuple[jax.Array, jax.Array]:
 def make_instances(config, family: str) -> bandit_lib.Bandit:
   """A batch of `num_seeds` instances of one family (leading axis = run)."""
   instance_keys, _ = _seed_keys(config)
-  make = instances.get_family(family)
+  make = instances.make_family(family, config)
   shape = (int(config.num_contexts), int(config.num_actions), int(config.num_turns))
   return jax.jit(jax.vmap(lambda k: make(k, *shape)))(instance_keys)
 
 
-_RUN_KEYS = ("seed", "num_seeds", "families", "algorithms", "learning_rates")
+_RUN_KEYS = (
+  "seed",
+  "num_seeds",
+  "families",
+  "algorithms",
+  "learning_rates",
+  "density",
+  "scale_orders",
+)
 
 
 def make_setting_fn(config, algorithm: str):
-  """Jitted (bandits[runs], train_keys[runs], lrs[L]) -> [L, runs, I+1] J/J*.
+  """Jitted (bandits[runs], train_keys[runs], lrs[L]) -> [L, runs, I+1] J/J*_class.
 
   Cached on the keys that shape the computation, so a second sweep with
   another seed or grid does not compile again.
@@ -162,7 +185,7 @@ def _cached_setting_fn(static_json: str, algorithm: str):
 
   def _one_run(bandit, key, lr):
     out = train(key, bandit, lr)
-    return out.returns / bandit_lib.optimal_return(bandit)
+    return out.returns / policies.class_optimum(config.policy, bandit)
 
   over_runs = jax.vmap(_one_run, in_axes=(0, 0, None))
   return jax.jit(
@@ -208,7 +231,8 @@ def describe(config: ml_collections.ConfigDict) -> str:
   b = config.num_contexts * config.group_size
   return (
     f"{config.num_turns}-turn bandit, {config.num_contexts} contexts, "
-    f"{config.num_actions} actions, {config.policy} policy; "
+    f"{config.num_actions} actions, {config.policy} policy"
+    f"{' (J* of the class: the best open-loop sequence)' if config.policy == 'blind' else ''}; "
     f"{config.num_iterations} iterations x {b} rollouts "
     f"({config.group_size} per context); {config.epochs_per_turn} epochs x "
     f"{config.minibatches_per_turn} minibatches per turn (per iteration for "
