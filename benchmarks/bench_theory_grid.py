@@ -1,0 +1,65 @@
+r"""Where the paper's claims bite: the bandit comparison over horizon, actions, sparsity, scales.
+
+    python benchmarks/bench_theory_grid.py --workdir=/tmp/theory_grid
+    python benchmarks/bench_theory_grid.py --workdir=/tmp/theory_grid --axes=scale --num_seeds=16
+    python benchmarks/bench_theory_grid.py --workdir=/tmp/theory_grid --plot_only
+
+Runs `seeupo_jax.theory.grid.DEFAULT_AXES` (docs/theory.md, "Where the claims bite"): every
+cell is a `--config=bandit` sweep (all its algorithms and families over the learning-rate grid,
+the best rate per algorithm), with the axis' key set and the cell's policy class. Finished cells
+are kept in `WORKDIR/cells/` and skipped on a rerun. Writes `WORKDIR/regions.md` (the map:
+SeeUPO's final J / J*_class minus each other algorithm's, paired over seeds, with "+", "-" or "="
+for significantly higher, lower, or not distinguishable at 95%), `WORKDIR/table.md` (every row)
+and `WORKDIR/grid_<axis>.png`.
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+from seeupo_jax.theory import grid  # noqa: E402
+from seeupo_jax.theory import sweep  # noqa: E402
+
+_WORKDIR = flags.DEFINE_string(
+  "workdir", None, "Output folder (cells, tables, plots).", required=True
+)
+_AXES = flags.DEFINE_string(
+  "axes", ",".join(a.name for a in grid.DEFAULT_AXES), "Comma-separated axis names."
+)
+_SEEDS = flags.DEFINE_integer("num_seeds", 48, "Runs per (cell, algorithm, family).")
+_ITERATIONS = flags.DEFINE_integer("num_iterations", 200, "Iterations per run.")
+_LRS = flags.DEFINE_string("learning_rates", "0.3,1,3,10", "The SGD grid; each row uses its best.")
+_PLOT_ONLY = flags.DEFINE_bool("plot_only", False, "Only read finished cells.")
+
+
+def main(_):
+  by_name = {a.name: a for a in grid.DEFAULT_AXES}
+  names = [n.strip() for n in _AXES.value.split(",") if n.strip()]
+  unknown = [n for n in names if n not in by_name]
+  if unknown:
+    raise app.UsageError(f"--axes: unknown {unknown}; allowed: {sorted(by_name)}")
+  base = sweep.default_config()
+  base.update(num_seeds=_SEEDS.value, num_iterations=_ITERATIONS.value, learning_rates=_LRS.value)
+  start = time.perf_counter()
+  rows = grid.run_grid(
+    base, [by_name[n] for n in names], _WORKDIR.value, compute=not _PLOT_ONLY.value
+  )
+  regions, table = grid.region_table(rows), grid.full_table(rows)
+  print(regions)
+  for name, text in (("regions.md", regions), ("table.md", table)):
+    with open(os.path.join(_WORKDIR.value, name), "w", encoding="utf-8") as f:
+      f.write(text + "\n")
+  for name in dict.fromkeys(r.axis for r in rows):
+    path = os.path.join(_WORKDIR.value, f"grid_{name}.png")
+    grid.plot_axis(path, rows, name)
+    print(f"wrote {path}")
+  print(f"{time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,337 @@
+"""Where the paper's claims bite: the bandit comparison swept over problem axes.
+
+A grid is a list of `Axis`: one config key (the horizon `num_turns`, the
+number of actions, the reward density of the `sparse` family, the reward
+scales of the `scaled` family) swept over values, each value crossed with
+policy classes, and run through `sweep.run_sweep` (every algorithm, family
+and learning rate, common random numbers across algorithms). Each cell keeps
+the best learning rate's curves of every algorithm, and every algorithm is
+compared with a reference (SeeUPO) run by run:
+
+    d_s = q_s(reference) - q_s(other),   q_s = final J / J*_class of seed s
+    mean d +- 1.96 sd(d) / sqrt(runs)     (paired: seed s is the same instance
+                                           and the same sampling keys for both)
+
+and likewise for each run's share of iterations where the exact J dropped.
+A difference is significant when its 95% interval excludes 0.
+
+`run_grid` writes each finished cell to `workdir/cells/` and skips finished
+cells when run again; `region_table` is the map "where SeeUPO is better,
+worse, or not distinguishable", one line per (axis, policy, family, other
+algorithm) and one column per value.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, NamedTuple, Sequence
+
+import ml_collections
+import numpy as np
+
+from seeupo_jax.theory import report
+from seeupo_jax.theory import sweep
+
+REFERENCE = "seeupo"
+
+
+class Axis(NamedTuple):
+  """One swept config key.
+
+  Attributes:
+    name: the axis' name in tables, file names and `--axes`.
+    key: the `sweep.default_config` key it sets.
+    values: the values of `key`, in plot order.
+    policies: policy classes crossed with every value.
+    overrides: other config keys for every cell of this axis (families,
+      algorithms, fixed problem sizes).
+  """
+
+  name: str
+  key: str
+  values: tuple
+  policies: tuple[str, ...]
+  overrides: dict
+
+
+_HORIZON_ALGORITHMS = "seeupo,seeupo_forward,seeupo_random,grpo,gspo,ppo"
+_BASELINES = "seeupo,grpo,gspo,ppo"
+
+DEFAULT_AXES: tuple[Axis, ...] = (
+  Axis(
+    "horizon",
+    "num_turns",
+    (2, 4, 6, 8, 10),
+    ("tabular", "shared"),
+    {"families": "random,trap", "algorithms": _HORIZON_ALGORITHMS},
+  ),
+  Axis(
+    "actions",
+    "num_actions",
+    (2, 3, 4),
+    ("tabular", "shared"),
+    {"num_turns": 3, "families": "random,trap", "algorithms": _BASELINES},
+  ),
+  Axis(
+    "density",
+    "density",
+    (0.5, 0.125, 0.03, 0.01),
+    ("tabular", "shared"),
+    {"num_turns": 6, "families": "sparse", "algorithms": _HORIZON_ALGORITHMS},
+  ),
+  Axis(
+    "scale",
+    "scale_orders",
+    (0.0, 1.0, 2.0, 3.0),
+    ("blind", "shared", "tabular"),
+    {"families": "scaled", "algorithms": "seeupo,seeupo_groupstd,seeupo_nonorm,grpo"},
+  ),
+)
+"""The grid of `benchmarks/bench_theory_grid.py` (docs/theory.md, "Where the claims bite")."""
+
+
+class Paired(NamedTuple):
+  """A paired difference over runs: `mean` +- `ci` (95%, normal)."""
+
+  mean: float
+  ci: float
+
+  @property
+  def verdict(self) -> str:
+    """ "+" (reference significantly higher), "-" (lower) or "=" (interval contains 0)."""
+    if self.mean - self.ci > 0:
+      return "+"
+    if self.mean + self.ci < 0:
+      return "-"
+    return "="
+
+
+def paired_difference(reference: np.ndarray, other: np.ndarray) -> Paired:
+  """mean(reference - other) +- 1.96 sd / sqrt(runs); [runs] arrays of the same runs."""
+  reference, other = np.asarray(reference, np.float64), np.asarray(other, np.float64)
+  if reference.shape != other.shape or reference.ndim != 1 or len(reference) < 2:
+    raise ValueError(f"need two [runs >= 2] arrays, got {reference.shape} and {other.shape}")
+  d = reference - other
+  return Paired(float(d.mean()), float(1.96 * d.std(ddof=1) / np.sqrt(len(d))))
+
+
+def drop_shares(curves: np.ndarray) -> np.ndarray:
+  """[runs] share of each run's iterations where J dropped by more than `report.DROP`."""
+  return (np.diff(np.asarray(curves, np.float64), axis=1) < -report.DROP).mean(1)
+
+
+class Row(NamedTuple):
+  """One algorithm in one cell, compared with the reference.
+
+  Attributes:
+    axis, value, policy, family, algorithm: where.
+    lr: the grid's best learning rate for this algorithm here.
+    summary: `report.summarise` of its best-rate curves.
+    final_gap: reference minus this algorithm, final J / J*_class (None for the reference).
+    drop_gap: reference minus this algorithm, share of iterations with a drop.
+  """
+
+  axis: str
+  value: float
+  policy: str
+  family: str
+  algorithm: str
+  lr: float
+  summary: report.Summary
+  final_gap: Paired | None
+  drop_gap: Paired | None
+
+
+def cell_config(base: ml_collections.ConfigDict, axis: Axis, value, policy: str):
+  """The sweep config of one cell: `base`, the axis' overrides, key = value, policy."""
+  config = ml_collections.ConfigDict(base.to_dict())
+  config.update(axis.overrides)
+  config[axis.key] = type(config[axis.key])(value)
+  config.policy = policy
+  return config
+
+
+def cell_rows(
+  axis: Axis, value, policy: str, curves: dict[tuple[str, str], tuple[float, np.ndarray]]
+) -> list[Row]:
+  """Rows of one cell from {(algorithm, family): (best lr, [runs, I + 1] curves)}."""
+  rows = []
+  for (algorithm, family), (lr, c) in curves.items():
+    final_gap = drop_gap = None
+    if algorithm != REFERENCE and (REFERENCE, family) in curves:
+      ref = curves[(REFERENCE, family)][1]
+      final_gap = paired_difference(ref[:, -1], c[:, -1])
+      drop_gap = paired_difference(drop_shares(ref), drop_shares(c))
+    rows.append(
+      Row(
+        axis.name,
+        value,
+        policy,
+        family,
+        algorithm,
+        lr,
+        report.summarise(c),
+        final_gap,
+        drop_gap,
+      )
+    )
+  return rows
+
+
+def _cell_path(workdir: str, axis: Axis, value, policy: str) -> str:
+  return os.path.join(workdir, "cells", f"{axis.name}__{value:g}__{policy}.npz")
+
+
+def _save_cell(path: str, curves) -> None:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  arrays = {}
+  for (algorithm, family), (lr, c) in curves.items():
+    arrays[f"{algorithm}__{family}__curves"] = c
+    arrays[f"{algorithm}__{family}__lr"] = np.float64(lr)
+  tmp = path + ".tmp.npz"
+  np.savez_compressed(tmp, **arrays)
+  os.replace(tmp, path)  # a killed run leaves no half-written cell
+
+
+def _load_cell(path: str):
+  with np.load(path) as data:
+    names = list(dict.fromkeys(k.rsplit("__", 1)[0] for k in data.files))  # write order
+    return {
+      tuple(name.split("__")): (float(data[f"{name}__lr"]), data[f"{name}__curves"])
+      for name in names
+    }
+
+
+def run_grid(
+  base: ml_collections.ConfigDict,
+  axes: Sequence[Axis],
+  workdir: str,
+  log: Callable[[str], None] = print,
+  compute: bool = True,
+) -> list[Row]:
+  """Runs (or, with `compute=False`, only reads) every cell; returns all rows."""
+  rows = []
+  for axis in axes:
+    for value in axis.values:
+      for policy in axis.policies:
+        path = _cell_path(workdir, axis, value, policy)
+        if not os.path.exists(path):
+          if not compute:
+            log(f"{axis.name}={value:g} {policy}: not run yet")
+            continue
+          config = cell_config(base, axis, value, policy)
+          log(f"== {axis.name}: {axis.key}={value:g}, {policy} policy")
+          results = sweep.run_sweep(config, log=log)
+          curves = {
+            name: (float(r.learning_rates[r.best]), r.best_curves) for name, r in results.items()
+          }
+          _save_cell(path, curves)
+        rows.extend(cell_rows(axis, value, policy, _load_cell(path)))
+  return rows
+
+
+def _gap(p: Paired | None) -> str:
+  return "" if p is None else f"{p.mean:+.3f} ± {p.ci:.3f} ({p.verdict})"
+
+
+def full_table(rows: Sequence[Row]) -> str:
+  """Every row: summary and the paired gaps to the reference."""
+  header = (
+    "axis",
+    "value",
+    "policy",
+    "family",
+    "algorithm",
+    "lr",
+    "reach>=0.99",
+    "final J/J*c (95% CI)",
+    "J drops",
+    f"{REFERENCE} - this, final (95% CI)",
+    f"{REFERENCE} - this, J drops (95% CI)",
+  )
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for r in rows:
+    s = r.summary
+    lines.append(
+      f"| {r.axis} | {r.value:g} | {r.policy} | {r.family} | {r.algorithm} | {r.lr:g} | "
+      f"{s.reach_share:.0%} | {s.final_mean:.3f} ± {s.final_ci:.3f} | "
+      f"{s.violation_share:.1%} | {_gap(r.final_gap)} | {_gap(r.drop_gap)} |"
+    )
+  return "\n".join(lines)
+
+
+def region_table(rows: Sequence[Row]) -> str:
+  """The map: one line per (axis, policy, family, other algorithm), one column per value.
+
+  Each entry is the reference's final J / J*_class minus the other's, with "+"
+  (reference significantly better), "-" (significantly worse) or "=" (the
+  95% interval contains 0). The reference's own line gives its mean.
+  """
+  lines = []
+  for axis in dict.fromkeys(r.axis for r in rows):
+    axis_rows = [r for r in rows if r.axis == axis]
+    values = list(dict.fromkeys(r.value for r in axis_rows))
+    lines += [
+      "| " + " | ".join([axis, "policy", "family", "vs"] + [f"{v:g}" for v in values]) + " |",
+      "|" + "---|" * (4 + len(values)),
+    ]
+    keys = sorted(
+      dict.fromkeys((r.policy, r.family, r.algorithm) for r in axis_rows),
+      key=lambda k: [_first_index(axis_rows, i, v) for i, v in enumerate(k)],
+    )
+    for policy, family, algorithm in keys:
+      entries = []
+      for v in values:
+        match = [
+          r
+          for r in axis_rows
+          if (r.value, r.policy, r.family, r.algorithm) == (v, policy, family, algorithm)
+        ]
+        if not match:
+          entries.append("")
+        elif match[0].final_gap is None:
+          entries.append(f"{match[0].summary.final_mean:.3f}")
+        else:
+          g = match[0].final_gap
+          entries.append(f"{g.mean:+.3f} {g.verdict}")
+      label = f"({REFERENCE} J/J*c)" if algorithm == REFERENCE else algorithm
+      lines.append("| " + " | ".join(["", policy, family, label] + entries) + " |")
+    lines.append("")
+  return "\n".join(lines).rstrip() + "\n"
+
+
+def _first_index(rows: Sequence[Row], field: int, value) -> int:
+  """Where `value` of (policy, family, algorithm)[field] first appears: the rows' own order."""
+  return next(i for i, r in enumerate(rows) if (r.policy, r.family, r.algorithm)[field] == value)
+
+
+def plot_axis(path: str, rows: Sequence[Row], axis: str) -> None:
+  """One panel per (policy, family): final J / J*_class against the value, 95% bars."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  axis_rows = [r for r in rows if r.axis == axis]
+  panels = list(dict.fromkeys((r.policy, r.family) for r in axis_rows))
+  algorithms = list(dict.fromkeys(r.algorithm for r in axis_rows))
+  fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False)
+  for ax, (policy, family) in zip(axes[0], panels):
+    for i, algorithm in enumerate(algorithms):
+      sel = [
+        r for r in axis_rows if (r.policy, r.family, r.algorithm) == (policy, family, algorithm)
+      ]
+      if not sel:
+        continue
+      x = np.array([r.value for r in sel], np.float64)
+      y = np.array([r.summary.final_mean for r in sel])
+      e = np.array([r.summary.final_ci for r in sel])
+      jitter = (i - (len(algorithms) - 1) / 2) * 0.02 * (np.ptp(x) or 1.0)
+      ax.errorbar(x + jitter, y, yerr=e, marker="o", ms=3, lw=1.2, capsize=2, label=algorithm)
+    ax.set(title=f"{policy} policy, {family}", xlabel=axis, ylabel="final J / J*class")
+    if axis == "density":
+      ax.set_xscale("log")
+  axes[0][0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
