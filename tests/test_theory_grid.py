@@ -2,6 +2,9 @@
 and the grid's cells equal to the sweep they run (and read back, not recomputed)."""
 
 import itertools
+import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -13,6 +16,8 @@ from seeupo_jax.theory import instances
 from seeupo_jax.theory import policies
 from seeupo_jax.theory import report
 from seeupo_jax.theory import sweep
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------------------------
 # Families and the blind policy.
@@ -176,6 +181,20 @@ def test_grid_cells_are_the_sweep_and_are_read_back_not_recomputed(tmp_path, mon
   assert only_read == rows
   grid.plot_axis(str(tmp_path / "scale.png"), rows, "scale")
   assert (tmp_path / "scale.png").stat().st_size > 0
+
+  # The benchmark command reads the same cells (its `scale` axis names the same files).
+  done = subprocess.run(
+    [sys.executable, str(_REPO / "benchmarks" / "bench_theory_grid.py"), f"--workdir={tmp_path}"]
+    + ["--axes=scale", "--plot_only"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=True,
+  )
+  assert grid.region_table(rows).strip() in done.stdout
+  assert "scale=1 blind: not run yet" in done.stdout + done.stderr
+  assert (tmp_path / "regions.md").read_text().strip() == grid.region_table(rows).strip()
+  assert (tmp_path / "grid_scale.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_sweep_takes_ten_turns_and_refuses_eleven():
