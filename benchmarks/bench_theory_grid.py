@@ -9,8 +9,9 @@ cell is a `--config=bandit` sweep (all its algorithms and families over the lear
 the best rate per algorithm), with the axis' key set and the cell's policy class. Finished cells
 are kept in `WORKDIR/cells/` and skipped on a rerun. Writes `WORKDIR/regions.md` (the map:
 SeeUPO's final J / J*_class minus each other algorithm's, paired over seeds, with "+", "-" or "="
-for significantly higher, lower, or not distinguishable at 95%), `WORKDIR/table.md` (every row)
-and `WORKDIR/grid_<axis>.png`.
+for SeeUPO significantly better, worse, or not distinguishable at 95%), `regions_drops.md` (the
+same for the share of iterations where the exact J dropped: the other's minus SeeUPO's),
+`WORKDIR/table.md` (every row) and `WORKDIR/grid_<axis>.png`.
 """
 
 import os
@@ -49,9 +50,17 @@ def main(_):
   rows = grid.run_grid(
     base, [by_name[n] for n in names], _WORKDIR.value, compute=not _PLOT_ONLY.value
   )
-  regions, table = grid.region_table(rows), grid.full_table(rows)
+  regions, drops = grid.region_table(rows), grid.region_table(rows, "drops")
+  print("SeeUPO's final J / J*_class minus each other algorithm's:\n")
   print(regions)
-  for name, text in (("regions.md", regions), ("table.md", table)):
+  print("Each other algorithm's share of iterations where J dropped minus SeeUPO's:\n")
+  print(drops)
+  outputs = (
+    ("regions.md", regions),
+    ("regions_drops.md", drops),
+    ("table.md", grid.full_table(rows)),
+  )
+  for name, text in outputs:
     with open(os.path.join(_WORKDIR.value, name), "w", encoding="utf-8") as f:
       f.write(text + "\n")
   for name in dict.fromkeys(r.axis for r in rows):

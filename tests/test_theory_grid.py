@@ -120,20 +120,27 @@ def test_drop_shares_by_hand():
 def test_cell_rows_compare_every_algorithm_with_seeupo_run_by_run():
   axis = grid.Axis("horizon", "num_turns", (3,), ("tabular",), {})
   ref = np.array([[0.5, 0.9, 1.0], [0.5, 0.8, 0.9], [0.5, 0.4, 0.95]])
-  other = np.array([[0.5, 0.6, 0.8], [0.5, 0.7, 0.85], [0.5, 0.9, 0.7]])
+  other = np.array([[0.5, 0.6, 0.8], [0.5, 0.7, 0.6], [0.5, 0.9, 0.7]])
   rows = grid.cell_rows(
     axis, 3, "tabular", {("seeupo", "trap"): (3.0, ref), ("grpo", "trap"): (1.0, other)}
   )
   assert [r.algorithm for r in rows] == ["seeupo", "grpo"]
   assert rows[0].final_gap is None and rows[0].summary == report.summarise(ref)
-  d = np.array([0.2, 0.05, 0.25])
-  assert rows[1].final_gap.mean == pytest.approx(d.mean())
-  assert rows[1].final_gap.ci == pytest.approx(1.96 * d.std(ddof=1) / np.sqrt(3))
-  # Drops: seeupo's third run drops once (0.5 -> 0.4) of 2 iterations; grpo's third run once.
-  assert rows[1].drop_gap.mean == pytest.approx(0.0)
+  assert rows[1].final_gap.mean == pytest.approx(0.25)
+  assert rows[1].final_gap.ci == pytest.approx(1.96 * 0.05 / np.sqrt(3))
+  # Drops (of 2 iterations): seeupo [0, 0, 1/2] (0.5 -> 0.4), grpo [0, 1/2, 1/2]; grpo minus
+  # seeupo = [0, 1/2, 0]: mean 1/6, sd 0.2887, half width 1.96 * 0.2887 / sqrt(3) = 0.327.
+  assert rows[1].drop_gap.mean == pytest.approx(1 / 6)
+  assert rows[1].drop_gap.ci == pytest.approx(1.96 * np.std([0, 0.5, 0], ddof=1) / np.sqrt(3))
   table = grid.region_table(rows)
   assert "| horizon | policy | family | vs | 3 |" in table
-  assert "|  | tabular | trap | grpo | +0.167 + |" in table  # d.mean() = 0.1667
+  assert "|  | tabular | trap | (seeupo J/J*c) | 0.950 |" in table
+  assert "|  | tabular | trap | grpo | +0.250 + |" in table
+  drops = grid.region_table(rows, "drops")
+  assert "|  | tabular | trap | (seeupo J drops) | 16.7% |" in drops
+  assert "|  | tabular | trap | grpo | +0.167 = |" in drops
+  with pytest.raises(ValueError, match="metric='best'; allowed"):
+    grid.region_table(rows, "best")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,13 +12,15 @@ compared with a reference (SeeUPO) run by run:
     mean d +- 1.96 sd(d) / sqrt(runs)     (paired: seed s is the same instance
                                            and the same sampling keys for both)
 
-and likewise for each run's share of iterations where the exact J dropped.
-A difference is significant when its 95% interval excludes 0.
+and likewise for each run's share of iterations where the exact J dropped,
+as other minus reference: both gaps are positive where the reference does
+better (a higher J, fewer drops). A gap is significant when its 95% interval
+excludes 0.
 
 `run_grid` writes each finished cell to `workdir/cells/` and skips finished
 cells when run again; `region_table` is the map "where SeeUPO is better,
-worse, or not distinguishable", one line per (axis, policy, family, other
-algorithm) and one column per value.
+worse, or not distinguishable" in final J or in J drops, one line per (axis,
+policy, family, other algorithm) and one column per value.
 """
 
 from __future__ import annotations
@@ -90,6 +92,15 @@ DEFAULT_AXES: tuple[Axis, ...] = (
 """The grid of `benchmarks/bench_theory_grid.py` (docs/theory.md, "Where the claims bite")."""
 
 
+LABELS = {
+  "horizon": "turns T",
+  "actions": "actions K",
+  "density": "share of trajectories that pay (density)",
+  "scale": "orders of magnitude between context scales",
+}
+"""The x-axis label of each default axis in `plot_axis`."""
+
+
 class Paired(NamedTuple):
   """A paired difference over runs: `mean` +- `ci` (95%, normal)."""
 
@@ -128,7 +139,8 @@ class Row(NamedTuple):
     lr: the grid's best learning rate for this algorithm here.
     summary: `report.summarise` of its best-rate curves.
     final_gap: reference minus this algorithm, final J / J*_class (None for the reference).
-    drop_gap: reference minus this algorithm, share of iterations with a drop.
+    drop_gap: this algorithm minus the reference, share of iterations with a drop (None for
+      the reference).
   """
 
   axis: str
@@ -161,7 +173,7 @@ def cell_rows(
     if algorithm != REFERENCE and (REFERENCE, family) in curves:
       ref = curves[(REFERENCE, family)][1]
       final_gap = paired_difference(ref[:, -1], c[:, -1])
-      drop_gap = paired_difference(drop_shares(ref), drop_shares(c))
+      drop_gap = paired_difference(drop_shares(c), drop_shares(ref))
     rows.append(
       Row(
         axis.name,
@@ -247,7 +259,7 @@ def full_table(rows: Sequence[Row]) -> str:
     "final J/J*c (95% CI)",
     "J drops",
     f"{REFERENCE} - this, final (95% CI)",
-    f"{REFERENCE} - this, J drops (95% CI)",
+    f"this - {REFERENCE}, J drops (95% CI)",
   )
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   for r in rows:
@@ -260,13 +272,20 @@ def full_table(rows: Sequence[Row]) -> str:
   return "\n".join(lines)
 
 
-def region_table(rows: Sequence[Row]) -> str:
+METRICS = ("final", "drops")
+
+
+def region_table(rows: Sequence[Row], metric: str = "final") -> str:
   """The map: one line per (axis, policy, family, other algorithm), one column per value.
 
-  Each entry is the reference's final J / J*_class minus the other's, with "+"
-  (reference significantly better), "-" (significantly worse) or "=" (the
-  95% interval contains 0). The reference's own line gives its mean.
+  Each entry is the reference's advantage, `final`: its final J / J*_class
+  minus the other's; `drops`: the other's share of iterations with a drop of J
+  minus the reference's. "+" marks the reference significantly better, "-"
+  significantly worse, "=" a 95% interval that contains 0. The reference's
+  own line gives its mean final J / J*_class, or its drop share.
   """
+  if metric not in METRICS:
+    raise ValueError(f"metric={metric!r}; allowed: {METRICS}")
   lines = []
   for axis in dict.fromkeys(r.axis for r in rows):
     axis_rows = [r for r in rows if r.axis == axis]
@@ -290,11 +309,13 @@ def region_table(rows: Sequence[Row]) -> str:
         if not match:
           entries.append("")
         elif match[0].final_gap is None:
-          entries.append(f"{match[0].summary.final_mean:.3f}")
+          s = match[0].summary
+          entries.append(f"{s.final_mean:.3f}" if metric == "final" else f"{s.violation_share:.1%}")
         else:
-          g = match[0].final_gap
+          g = match[0].final_gap if metric == "final" else match[0].drop_gap
           entries.append(f"{g.mean:+.3f} {g.verdict}")
-      label = f"({REFERENCE} J/J*c)" if algorithm == REFERENCE else algorithm
+      own = "J/J*c" if metric == "final" else "J drops"
+      label = f"({REFERENCE} {own})" if algorithm == REFERENCE else algorithm
       lines.append("| " + " | ".join(["", policy, family, label] + entries) + " |")
     lines.append("")
   return "\n".join(lines).rstrip() + "\n"
@@ -328,7 +349,9 @@ def plot_axis(path: str, rows: Sequence[Row], axis: str) -> None:
       e = np.array([r.summary.final_ci for r in sel])
       jitter = (i - (len(algorithms) - 1) / 2) * 0.02 * (np.ptp(x) or 1.0)
       ax.errorbar(x + jitter, y, yerr=e, marker="o", ms=3, lw=1.2, capsize=2, label=algorithm)
-    ax.set(title=f"{policy} policy, {family}", xlabel=axis, ylabel="final J / J*class")
+    ax.set(
+      title=f"{policy} policy, {family}", xlabel=LABELS.get(axis, axis), ylabel="final J / J*class"
+    )
     if axis == "density":
       ax.set_xscale("log")
   axes[0][0].legend(fontsize=7)
