@@ -135,7 +135,7 @@ def test_cell_rows_compare_every_algorithm_with_seeupo_run_by_run():
   table = grid.region_table(rows)
   assert "| horizon | policy | family | vs | 3 |" in table
   assert "|  | tabular | trap | (seeupo J/J*c) | 0.950 |" in table
-  assert "|  | tabular | trap | grpo | +0.250 + |" in table
+  assert "|  | tabular | trap | grpo | +0.2500 + |" in table
   drops = grid.region_table(rows, "drops")
   assert "|  | tabular | trap | (seeupo J drops) | 16.7% |" in drops
   assert "|  | tabular | trap | grpo | +0.167 = |" in drops

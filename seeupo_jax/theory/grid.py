@@ -313,7 +313,9 @@ def region_table(rows: Sequence[Row], metric: str = "final") -> str:
           entries.append(f"{s.final_mean:.3f}" if metric == "final" else f"{s.violation_share:.1%}")
         else:
           g = match[0].final_gap if metric == "final" else match[0].drop_gap
-          entries.append(f"{g.mean:+.3f} {g.verdict}")
+          entries.append(
+            f"{g.mean:+.4f} {g.verdict}" if metric == "final" else f"{g.mean:+.3f} {g.verdict}"
+          )
       own = "J/J*c" if metric == "final" else "J drops"
       label = f"({REFERENCE} {own})" if algorithm == REFERENCE else algorithm
       lines.append("| " + " | ".join(["", policy, family, label] + entries) + " |")
