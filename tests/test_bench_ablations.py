@@ -1,0 +1,118 @@
+"""benchmarks/bench_ablations.py: its statistics on hand-made records, and its variant table."""
+
+import importlib.util
+import math
+import os
+
+import numpy as np
+import pytest
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_ablations.py")
+_SPEC = importlib.util.spec_from_file_location("bench_ablations", _PATH)
+bench = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bench)
+
+
+def _records(success, evals=None):
+  """Metrics lines of one run: iterations 1..N, with eval/avg@4 at the given {iteration: value}."""
+  evals = evals or {}
+  out = []
+  for i, s in enumerate(success, start=1):
+    r = {"iteration": i, "success": s, "time/iteration": 1.0}
+    if i in evals:
+      r.update({"eval/avg@4": evals[i], "eval/pass@4": 1.0, "time/eval": 0.5})
+    out.append(r)
+  return out
+
+
+def test_t_quantiles_are_the_tables():
+  assert bench.t_quantile(4) == pytest.approx(2.776, abs=5e-4)
+  assert bench.t_quantile(1) == pytest.approx(12.706, abs=5e-4)
+  assert bench.t_quantile(2) == pytest.approx(4.303, abs=5e-4)
+  assert bench.t_quantile(30) == pytest.approx(2.042, abs=5e-4)
+
+
+def test_mean_interval_of_three_curves():
+  # Per point: values (0, 1, 2) and (1, 2, 6): means 1 and 3, sample stds 1 and sqrt(7).
+  mean, half = bench.mean_interval([[0.0, 1.0], [1.0, 2.0], [2.0, 6.0]])
+  np.testing.assert_allclose(mean, [1.0, 3.0])
+  np.testing.assert_allclose(half, [4.3027 / math.sqrt(3), 4.3027 * math.sqrt(7 / 3)], rtol=1e-4)
+
+
+def test_mean_interval_of_one_seed_is_nan():
+  mean, half = bench.mean_interval([[0.5, 0.7]])
+  np.testing.assert_allclose(mean, [0.5, 0.7])
+  assert np.isnan(half).all()
+
+
+def test_first_reach_is_the_first_raw_success_at_the_target():
+  assert bench.first_reach(_records([0.5, 0.95, 0.85, 0.92]), 0.9) == 2
+  assert bench.first_reach(_records([0.5, 0.9]), 0.9) == 2  # >= target
+  assert bench.first_reach(_records([0.5, 0.89, 0.6]), 0.9) is None
+
+
+def test_reach_stats_rank_seeds_that_never_reached_last():
+  s = bench.reach_stats([30, None, 10, 20, None])
+  assert s == {"median": 30, "min": 10, "max": math.inf, "reached": 3, "seeds": 5}
+  s = bench.reach_stats([40, None, None, 20, None])
+  assert s["median"] == math.inf and s["min"] == 20 and s["reached"] == 2
+  assert bench.reach_stats([10, 20, 30, 50])["median"] == 25
+  assert bench.reach_stats([10, 20, 30, None])["median"] == 25
+  assert bench.reach_stats([10, 20, None, None])["median"] == math.inf
+
+
+def test_summarise_variant_and_its_table_line():
+  # Seed 0 reaches 0.9 at iteration 3, seed 1 never; held-out avg@4 last 0.75 and 0.25.
+  runs = [
+    _records([0.2, 0.6, 1.0, 1.0], {2: 0.1, 4: 0.75}),
+    _records([0.2, 0.2, 0.4, 0.6], {2: 0.1, 4: 0.25}),
+  ]
+  s = bench.summarise_variant(runs, 0.9)
+  np.testing.assert_array_equal(s["iterations"], [1, 2, 3, 4])
+  # 5-iteration trailing means: seed 0 (0.2, 0.4, 0.6, 0.7), seed 1 (0.2, 0.2, 0.8/3, 0.35).
+  np.testing.assert_allclose(s["curve"], [0.2, 0.3, (0.6 + 0.8 / 3) / 2, 0.525])
+  # Two seeds: t_1 * |a - b| / sqrt(2) * ... = 12.706 * (|a - b| / sqrt(2)) / sqrt(2).
+  np.testing.assert_allclose(s["curve_ci"][-1], 12.7062 * 0.35 / 2, rtol=1e-4)
+  assert s["reach"]["reached"] == 1 and s["reach"]["median"] == math.inf
+  assert s["final_avg@4"][0] == pytest.approx(0.5)
+  assert s["final_avg@4"][1] == pytest.approx(12.7062 * 0.5 / 2, rel=1e-4)
+  # Last 10 iterations = all 4: means 0.7 and 0.35.
+  assert s["final_success"][0] == pytest.approx(0.525)
+  table = bench.format_table({"nocorr": s}, 0.9)
+  assert (
+    "| nocorr | correction=False | 1/2 | >4 | 3 to >4 | 0.525 ± 2.224 | 0.500 ± 3.177 |" in table
+  )
+
+
+def test_runs_of_different_lengths_are_cut_to_the_shortest():
+  s = bench.summarise_variant([_records([0.1, 0.95, 0.95]), _records([0.1, 0.2])], 0.9)
+  np.testing.assert_array_equal(s["iterations"], [1, 2])
+  assert s["reach"]["reached"] == 1  # seed 0's 0.95 at iteration 2 is kept
+  assert np.isnan(s["final_avg@4"][0])  # no evaluation in these runs
+
+
+def test_variants_change_one_learner_setting_each():
+  default = [
+    "--config.learner.algorithm=seeupo",
+    "--config.learner.order=reverse",
+    "--config.learner.normalisation=batch",
+    "--config.learner.correction=True",
+  ]
+  expected = {
+    "reverse": default,
+    "forward": [default[0], "--config.learner.order=forward", *default[2:]],
+    "random": [default[0], "--config.learner.order=random", *default[2:]],
+    "group": [*default[:2], "--config.learner.normalisation=group", default[3]],
+    "none": [*default[:2], "--config.learner.normalisation=none", default[3]],
+    "nocorr": [*default[:3], "--config.learner.correction=False"],
+  }
+  assert {v: bench.learner_flags(v) for v in bench.VARIANTS} == expected
+
+
+def test_every_variant_is_a_valid_learner_config():
+  from seeupo_jax.learner import LearnerConfig  # pylint: disable=g-import-not-at-top
+
+  for variant in bench.VARIANTS:
+    settings = {**bench.DEFAULT, **bench.VARIANTS[variant]}
+    config = LearnerConfig(num_turns=2, **settings)
+    assert config.advantage_normalisation == settings["normalisation"]
