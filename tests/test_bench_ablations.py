@@ -3,6 +3,7 @@
 import importlib.util
 import math
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -91,22 +92,39 @@ def test_runs_of_different_lengths_are_cut_to_the_shortest():
   assert np.isnan(s["final_avg@4"][0])  # no evaluation in these runs
 
 
-def test_variants_change_one_learner_setting_each():
+def test_each_variant_runs_run_py_with_one_learner_setting_changed(monkeypatch):
+  commands = []
+  monkeypatch.setattr(subprocess, "run", lambda command, check: commands.append(command))
+  for variant in bench.VARIANTS:
+    bench.run_one(f"/w/{variant}/seed3", variant, 3, 150, ["--config.env.num_dials=3"])
   default = [
-    "--config.learner.algorithm=seeupo",
     "--config.learner.order=reverse",
     "--config.learner.normalisation=batch",
     "--config.learner.correction=True",
   ]
-  expected = {
+  changed = {
     "reverse": default,
-    "forward": [default[0], "--config.learner.order=forward", *default[2:]],
-    "random": [default[0], "--config.learner.order=random", *default[2:]],
-    "group": [*default[:2], "--config.learner.normalisation=group", default[3]],
-    "none": [*default[:2], "--config.learner.normalisation=none", default[3]],
-    "nocorr": [*default[:3], "--config.learner.correction=False"],
+    "forward": ["--config.learner.order=forward", *default[1:]],
+    "random": ["--config.learner.order=random", *default[1:]],
+    "group": [default[0], "--config.learner.normalisation=group", default[2]],
+    "none": [default[0], "--config.learner.normalisation=none", default[2]],
+    "nocorr": [*default[:2], "--config.learner.correction=False"],
   }
-  assert {v: bench.learner_flags(v) for v in bench.VARIANTS} == expected
+  for variant, command in zip(bench.VARIANTS, commands):
+    assert command[1].endswith(os.path.join("experiments", "run.py"))
+    flags = command[2:]
+    assert flags[:5] == [
+      "--config=synthetic",
+      f"--workdir=/w/{variant}/seed3",
+      "--config.learner.algorithm=seeupo",
+      "--config.num_iterations=150",
+      "--config.log.progress_bar=False",
+    ]
+    assert [f for f in flags if f.startswith("--config.learner.")][1:] == changed[variant]
+    assert "--config.seed=3" in flags
+    # The task first, the extra override last, so that it wins.
+    assert flags[-len(bench.TASK) - 1 : -1] == list(bench.TASK)
+    assert flags[-1] == "--config.env.num_dials=3"
 
 
 def test_every_variant_is_a_valid_learner_config():
@@ -114,5 +132,6 @@ def test_every_variant_is_a_valid_learner_config():
 
   for variant in bench.VARIANTS:
     settings = {**bench.DEFAULT, **bench.VARIANTS[variant]}
-    config = LearnerConfig(num_turns=2, **settings)
+    config = LearnerConfig(num_turns=2, algorithm=bench.ALGORITHM, **settings)
     assert config.advantage_normalisation == settings["normalisation"]
+    assert (config.order, config.correction) == (settings["order"], settings["correction"])
