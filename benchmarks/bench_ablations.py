@@ -170,26 +170,39 @@ def format_table(summaries: dict, target: float) -> str:
   return "\n".join(lines) + "\n"
 
 
+PANELS = {
+  "update order": ("reverse", "forward", "random"),
+  "normalisation, correction": ("reverse", "group", "none", "nocorr"),
+}
+"""The plot's panels: the default against the variants of one factor."""
+
+
 def plot(summaries: dict, png: str, target: float, seeds: int) -> None:
-  """Mean training success against iteration with its shaded 95% interval, per variant."""
+  """Mean training success against iteration with its shaded 95% interval (clipped to [0, 1]),
+  a panel per factor (`PANELS`)."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
 
-  fig = Figure(figsize=(8, 4.2))
+  fig = Figure(figsize=(10, 4.2))
   FigureCanvasAgg(fig)
-  ax = fig.add_subplot(1, 1, 1)
-  for name, s in summaries.items():
-    (line,) = ax.plot(s["iterations"], s["curve"], label=name, lw=1.3)
-    lo, hi = s["curve"] - s["curve_ci"], s["curve"] + s["curve_ci"]
-    ax.fill_between(s["iterations"], lo, hi, color=line.get_color(), alpha=0.15, lw=0)
-  ax.axhline(target, color="gray", ls="--", lw=1)
-  ax.set_xlabel("iteration")
-  ax.set_ylabel(f"training success ({SMOOTH}-iteration mean)")
-  ax.set_ylim(-0.02, 1.02)
-  ax.legend(loc="upper left", ncol=2)
-  ax.set_title(f"SeeUPO ablations, synthetic lock: mean over {seeds} seeds, 95% t interval")
+  colors = {name: f"C{i}" for i, name in enumerate(VARIANTS)}
+  axes = fig.subplots(1, len(PANELS), sharey=True)
+  for ax, (title, names) in zip(axes, PANELS.items()):
+    for name in (n for n in names if n in summaries):
+      s = summaries[name]
+      ax.plot(s["iterations"], s["curve"], label=name, lw=1.3, color=colors[name])
+      lo = np.clip(s["curve"] - s["curve_ci"], 0, 1)
+      hi = np.clip(s["curve"] + s["curve_ci"], 0, 1)
+      ax.fill_between(s["iterations"], lo, hi, color=colors[name], alpha=0.15, lw=0)
+    ax.axhline(target, color="gray", ls="--", lw=1)
+    ax.set_xlabel("iteration")
+    ax.set_title(title)
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(loc="upper left")
+  axes[0].set_ylabel(f"training success ({SMOOTH}-iteration mean)")
+  fig.suptitle(f"SeeUPO ablations, synthetic lock: mean over {seeds} seeds, 95% t interval")
   fig.tight_layout()
-  fig.savefig(png, dpi=100)
+  fig.savefig(png, dpi=90)
 
 
 def _parse():

@@ -1,9 +1,11 @@
 """benchmarks/bench_ablations.py: its statistics on hand-made records, and its variant table."""
 
 import importlib.util
+import json
 import math
 import os
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -135,3 +137,37 @@ def test_every_variant_is_a_valid_learner_config():
     config = LearnerConfig(num_turns=2, algorithm=bench.ALGORITHM, **settings)
     assert config.advantage_normalisation == settings["normalisation"]
     assert (config.order, config.correction) == (settings["order"], settings["correction"])
+
+
+def test_plot_only_writes_the_table_and_the_plot_from_metrics_files(tmp_path, monkeypatch, capsys):
+  # 2 variants x 2 seeds of 3 iterations; no run.py.
+  success = {"reverse": ([0.5, 0.95, 1.0], [0.5, 0.85, 1.0]), "nocorr": ([0.2, 0.3, 0.4],) * 2}
+  for variant, curves in success.items():
+    for seed, curve in enumerate(curves):
+      d = tmp_path / variant / f"seed{seed}"
+      d.mkdir(parents=True)
+      lines = [json.dumps(r) for r in _records(curve, {3: 0.5 + 0.25 * seed})]
+      (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+  argv = [_PATH, f"--workdir={tmp_path}", "--plot-only", "--seeds=2", "--variants=reverse,nocorr"]
+  monkeypatch.setattr(sys, "argv", argv)
+  bench.main()
+  table = (tmp_path / "table.md").read_text()
+  assert table in capsys.readouterr().out
+  # reverse: first reach at 2 and 3; last-iterations means 2.45 / 3 and 2.35 / 3: 0.800, half
+  # width 12.706 * (0.1 / 3) / 2 = 0.212; avg@4 0.5 and 0.75: 0.625, 12.706 * 0.25 / 2 = 1.588.
+  assert table.splitlines()[2:] == [
+    "| reverse | (default) | 2/2 | 2.5 | 2 to 3 | 0.800 ± 0.212 | 0.625 ± 1.588 |",
+    "| nocorr | correction=False | 0/2 | >3 | >3 to >3 | 0.300 ± 0.000 | 0.625 ± 1.588 |",
+  ]
+  assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+  "flag, message", [("--variants=reverse,backward", "backward"), ("--unknown=1", "--unknown=1")]
+)
+def test_unknown_variants_and_flags_are_errors(tmp_path, monkeypatch, capsys, flag, message):
+  monkeypatch.setattr(sys, "argv", [_PATH, f"--workdir={tmp_path}", "--plot-only", flag])
+  with pytest.raises(SystemExit) as exit_info:
+    bench.main()
+  assert exit_info.value.code != 0
+  assert message in str(exit_info.value.code) + capsys.readouterr().err
