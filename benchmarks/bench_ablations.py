@@ -13,7 +13,7 @@ normalisation batch, correction on), see `VARIANTS`.
 The task (`TASK`, smaller than the synthetic config's default so that 6 variants x 5 seeds fit
 on a 2-core CPU): 2 dials without decoys (chance 1/4), 2 turns, 16 tasks x 8 samples per
 iteration, a 96-token context (a trajectory is 64 tokens; the default 160 only pads the
-learner's arrays), `--iterations` (default 150), held-out avg@4 on 32 tasks every 50 iterations.
+learner's arrays), `--iterations` (default 125), held-out avg@4 on 32 tasks every 50 iterations.
 `--config.seed=S` seeds the model's initialisation, the sampling keys and the order in which
 training tasks are drawn; the tasks themselves (`env.seed`) stay the same for every seed, so the
 held-out tasks are the same in every run. The JAX compilation cache (`WORKDIR/jax_cache`) is
@@ -210,7 +210,7 @@ def _parse():
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--variants", default=",".join(VARIANTS))
   parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1")
-  parser.add_argument("--iterations", type=int, default=150)
+  parser.add_argument("--iterations", type=int, default=125)
   parser.add_argument("--target", type=float, default=0.9)
   parser.add_argument("--plot-only", action="store_true", help="only read finished runs")
   # Any other --config.a.b=value flag goes to run.py, after TASK (so it wins).
