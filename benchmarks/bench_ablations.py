@@ -34,6 +34,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import Optional, Sequence
 
 import numpy as np
@@ -133,8 +134,10 @@ def summarise_variant(runs: Sequence[Sequence[dict]], target: float) -> dict:
   smoothed = np.array([trailing_mean(s, SMOOTH) for s in success])
   curve, curve_ci = mean_interval(smoothed)
   finals = [[r["eval/avg@4"] for r in run if "eval/avg@4" in r] for run in runs]
-  avg4, avg4_ci = mean_interval([f[-1] for f in finals]) if all(finals) else (np.nan, np.nan)
-  last, last_ci = mean_interval(success[:, -FINAL:].mean(1))
+  avg4_seeds = np.array([f[-1] for f in finals] if all(finals) else [np.nan] * len(runs))
+  avg4, avg4_ci = mean_interval(avg4_seeds)
+  last_seeds = success[:, -FINAL:].mean(1)
+  last, last_ci = mean_interval(last_seeds)
   return {
     "iterations": np.array([r["iteration"] for r in runs[0]]),
     "curve": curve,
@@ -142,30 +145,55 @@ def summarise_variant(runs: Sequence[Sequence[dict]], target: float) -> dict:
     "reach": reach_stats([first_reach(run, target) for run in runs]),
     "final_success": (float(last), float(last_ci)),
     "final_avg@4": (float(avg4), float(avg4_ci)),
+    "seeds_success": last_seeds,
+    "seeds_avg@4": avg4_seeds,
   }
+
+
+def welch_p(a, b) -> float:
+  """Two-sided p-value of Welch's t-test that the means of `a` and `b` are equal (NaN when
+  both samples are constant)."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+
+  with warnings.catch_warnings():  # nearly constant samples: scipy warns, the p is still right
+    warnings.simplefilter("ignore", RuntimeWarning)
+    return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
 
 
 def _iteration(x, budget: int) -> str:
   return f">{budget}" if x == math.inf else f"{x:g}"
 
 
+def _p(a, b) -> str:
+  p = welch_p(a, b)
+  return "-" if np.isnan(p) else f"{p:.2f}"
+
+
 def format_table(summaries: dict, target: float) -> str:
-  """Markdown table, one line per variant."""
+  """Markdown table, one line per variant; p-values (Welch) against the first variant."""
+  base = next(iter(summaries))
   lines = [
     f"| variant | change | seeds reaching {target} | median first iteration >= {target} "
-    f"| range | last {FINAL} iterations' success (95% CI) | final held-out avg@4 (95% CI) |",
-    "|---|---|---:|---:|---:|---:|---:|",
+    f"| range | last {FINAL} iterations' success (95% CI) | final held-out avg@4 (95% CI) "
+    f"| Welch p vs {base} (success / avg@4) |",
+    "|---|---|---:|---:|---:|---:|---:|---:|",
   ]
   for name, s in summaries.items():
     budget = int(s["iterations"][-1])
     reach = s["reach"]
     change = ", ".join(f"{k}={v}" for k, v in VARIANTS.get(name, {}).items()) or "(default)"
+    b = summaries[base]
+    p = (
+      ""
+      if name == base
+      else " / ".join(_p(s[key], b[key]) for key in ("seeds_success", "seeds_avg@4"))
+    )
     lines.append(
       f"| {name} | {change} | {reach['reached']}/{reach['seeds']} "
       f"| {_iteration(reach['median'], budget)} "
       f"| {_iteration(reach['min'], budget)} to {_iteration(reach['max'], budget)} "
       f"| {s['final_success'][0]:.3f} ± {s['final_success'][1]:.3f} "
-      f"| {s['final_avg@4'][0]:.3f} ± {s['final_avg@4'][1]:.3f} |"
+      f"| {s['final_avg@4'][0]:.3f} ± {s['final_avg@4'][1]:.3f} | {p} |"
     )
   return "\n".join(lines) + "\n"
 
