@@ -150,14 +150,14 @@ def summarise_variant(runs: Sequence[Sequence[dict]], target: float) -> dict:
   }
 
 
-def welch_p(a, b) -> float:
-  """Two-sided p-value of Welch's t-test that the means of `a` and `b` are equal (NaN when
-  both samples are constant)."""
+def paired_p(a, b) -> float:
+  """Two-sided p-value of the paired t-test that a[i] - b[i] has mean 0 (seed i of two
+  variants starts from the same model; NaN when every difference is 0)."""
   from scipy import stats  # pylint: disable=g-import-not-at-top
 
-  with warnings.catch_warnings():  # nearly constant samples: scipy warns, the p is still right
+  with warnings.catch_warnings():  # nearly constant differences: scipy warns, the p is still right
     warnings.simplefilter("ignore", RuntimeWarning)
-    return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+    return float(stats.ttest_rel(a, b).pvalue)
 
 
 def _iteration(x, budget: int) -> str:
@@ -165,17 +165,17 @@ def _iteration(x, budget: int) -> str:
 
 
 def _p(a, b) -> str:
-  p = welch_p(a, b)
+  p = paired_p(a, b)
   return "-" if np.isnan(p) else f"{p:.2f}"
 
 
 def format_table(summaries: dict, target: float) -> str:
-  """Markdown table, one line per variant; p-values (Welch) against the first variant."""
+  """Markdown table, one line per variant; paired p-values against the first variant."""
   base = next(iter(summaries))
   lines = [
     f"| variant | change | seeds reaching {target} | median first iteration >= {target} "
     f"| range | last {FINAL} iterations' success (95% CI) | final held-out avg@4 (95% CI) "
-    f"| Welch p vs {base} (success / avg@4) |",
+    f"| paired t p vs {base} (success / avg@4) |",
     "|---|---|---:|---:|---:|---:|---:|---:|",
   ]
   for name, s in summaries.items():

@@ -48,11 +48,14 @@ def test_mean_interval_of_one_seed_is_nan():
   assert np.isnan(half).all()
 
 
-def test_welch_p_by_hand():
-  # Means 0.5 and 2.5, variances 0.5: t = -2 / sqrt(0.5) = -2.828 on df = 2, where
-  # P(|T| > t) = 1 - t / sqrt(t^2 + 2) = 1 - sqrt(8 / 10).
-  assert bench.welch_p([0.0, 1.0], [2.0, 3.0]) == pytest.approx(1 - math.sqrt(0.8))
-  assert math.isnan(bench.welch_p([1.0, 1.0], [1.0, 1.0]))
+def test_paired_p_by_hand():
+  # Differences (1, 2, 3): mean 2, sd 1, t = 2 sqrt(3) on df = 2, where
+  # P(|T| > t) = 1 - t / sqrt(t^2 + 2) = 1 - sqrt(12 / 14).
+  assert bench.paired_p([1.0, 2.0, 3.0], [0.0, 0.0, 0.0]) == pytest.approx(1 - math.sqrt(6 / 7))
+  # The pairing counts: the same samples in another order are a different test.
+  assert bench.paired_p([1.0, 2.0, 3.0], [0.5, 1.5, 2.5]) < 1e-6
+  assert bench.paired_p([1.0, 2.0, 3.0], [2.5, 1.5, 0.5]) > 0.5
+  assert math.isnan(bench.paired_p([1.0, 2.0], [1.0, 2.0]))
 
 
 def test_first_reach_is_the_first_raw_success_at_the_target():
@@ -162,12 +165,12 @@ def test_plot_only_writes_the_table_and_the_plot_from_metrics_files(tmp_path, mo
   assert table in capsys.readouterr().out
   # reverse: first reach at 2 and 3; last-iterations means 2.45 / 3 and 2.35 / 3: 0.800, half
   # width 12.706 * (0.1 / 3) / 2 = 0.212; avg@4 0.5 and 0.75: 0.625, 12.706 * 0.25 / 2 = 1.588.
-  # nocorr against reverse: success t = 0.5 / ((0.1 / 3) / 2) = 30 on 1 df (nocorr's seeds are
-  # equal), p = 1 - 2 / pi * atan(30) = 0.021; the same avg@4s, p = 1.
+  # nocorr against reverse, paired: success differences -0.5 -+ 0.1 / 6, t = 0.5 / (0.1 / 6) = 30
+  # on 1 df, p = 1 - 2 / pi * atan(30) = 0.021; avg@4 differences all 0: no test ("-").
   assert table.splitlines()[2:] == [
     "| reverse | (default) | 2/2 | 2.5 | 2 to 3 | 0.800 ± 0.212 | 0.625 ± 1.588 |  |",
     "| nocorr | correction=False | 0/2 | >3 | >3 to >3 | 0.300 ± 0.000 | 0.625 ± 1.588 "
-    "| 0.02 / 1.00 |",
+    "| 0.02 / - |",
   ]
   assert (tmp_path / "curves.png").stat().st_size > 10_000
 
