@@ -7,13 +7,14 @@ r"""The paper's ablations on the LLM path: SeeUPO's update order, normalisation 
 
 Each (variant, seed) runs `experiments/run.py --config=synthetic` (the real rollouts, learner
 and model) in its own process, one after another, in `WORKDIR/<variant>/seed<S>`; rerunning
-resumes unfinished runs. Variants change one factor of SeeUPO's default (order reverse,
-normalisation batch, correction on), see `VARIANTS`.
+resumes unfinished runs. The grid runs seed by seed (every variant's seed 0 first). Variants
+change one factor of SeeUPO's default (order reverse, normalisation batch, correction on), see
+`VARIANTS`.
 
 The task (`TASK`, smaller than the synthetic config's default so that 6 variants x 5 seeds fit
 on a 2-core CPU): 2 dials without decoys (chance 1/4), 2 turns, 16 tasks x 8 samples per
-iteration, a 96-token context (a trajectory is 64 tokens; the default 160 only pads the
-learner's arrays), `--iterations` (default 125), held-out avg@4 on 32 tasks every 50 iterations.
+iteration, a 96-token context (a trajectory is 64 tokens), `--iterations` (default 125),
+held-out avg@4 on 32 tasks every 50 iterations and at the last.
 `--config.seed=S` seeds the model's initialisation, the sampling keys and the order in which
 training tasks are drawn; the tasks themselves (`env.seed`) stay the same for every seed, so the
 held-out tasks are the same in every run. The JAX compilation cache (`WORKDIR/jax_cache`) is
@@ -23,8 +24,9 @@ Writes `WORKDIR/table.md` and `WORKDIR/curves.png`: per variant, the mean over s
 training success (5-iteration trailing mean per seed, as `bench_synthetic`) with its 95%
 Student-t interval, the iteration at which each seed's training success first reached
 --target (`bench_synthetic.summarise`'s rule: the raw per-iteration success; median over all
-seeds, a seed that never reached it counting as later than the budget), and the final held-out
-avg@4 with its interval.
+seeds, a seed that never reached it counting as later than the budget), the final held-out
+avg@4 and the last 10 iterations' success with their intervals, and paired t-test p-values of
+these two against the first variant (seed S of every variant starts from the same model).
 """
 
 from __future__ import annotations
