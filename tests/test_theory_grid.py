@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -186,6 +187,13 @@ def test_grid_cells_are_the_sweep_and_are_read_back_not_recomputed(tmp_path, mon
   assert again == rows
   only_read = grid.run_grid(base, [axis], str(tmp_path), log=lambda _: None, compute=False)
   assert only_read == rows
+  # A cell run with another config is refused by name, not reused.
+  longer = ml_collections.ConfigDict(base.to_dict())
+  longer.num_iterations = 5
+  with pytest.raises(
+    ValueError, match=r"scale__0__blind.npz was run with another config \(keys num_iterations\)"
+  ):
+    grid.run_grid(longer, [axis], str(tmp_path), log=lambda _: None)
   grid.plot_axis(str(tmp_path / "scale.png"), rows, "scale")
   assert (tmp_path / "scale.png").stat().st_size > 0
 

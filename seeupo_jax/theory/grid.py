@@ -17,14 +17,16 @@ as other minus reference: both gaps are positive where the reference does
 better (a higher J, fewer drops). A gap is significant when its 95% interval
 excludes 0.
 
-`run_grid` writes each finished cell to `workdir/cells/` and skips finished
-cells when run again; `region_table` is the map "where SeeUPO is better,
+`run_grid` writes each finished cell, with the config it ran, to
+`workdir/cells/` and reads finished cells back when run again (a cell run with
+another config is an error, not a silent reuse); `region_table` is the map "where SeeUPO is better,
 worse, or not distinguishable" in final J or in J drops, one line per (axis,
 policy, family, other algorithm) and one column per value.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Callable, NamedTuple, Sequence
 
@@ -99,6 +101,9 @@ LABELS = {
   "scale": "orders of magnitude between context scales",
 }
 """The x-axis label of each default axis in `plot_axis`."""
+
+LOG_AXES = ("density",)
+"""Axes `plot_axis` draws on a log scale."""
 
 
 class Paired(NamedTuple):
@@ -190,13 +195,16 @@ def cell_rows(
   return rows
 
 
+_CONFIG = "config_json"  # the cell's sweep config, stored with its curves
+
+
 def _cell_path(workdir: str, axis: Axis, value, policy: str) -> str:
   return os.path.join(workdir, "cells", f"{axis.name}__{value:g}__{policy}.npz")
 
 
-def _save_cell(path: str, curves) -> None:
+def _save_cell(path: str, curves, config: ml_collections.ConfigDict) -> None:
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  arrays = {}
+  arrays = {_CONFIG: np.array(config.to_json(sort_keys=True))}
   for (algorithm, family), (lr, c) in curves.items():
     arrays[f"{algorithm}__{family}__curves"] = c
     arrays[f"{algorithm}__{family}__lr"] = np.float64(lr)
@@ -205,9 +213,20 @@ def _save_cell(path: str, curves) -> None:
   os.replace(tmp, path)  # a killed run leaves no half-written cell
 
 
-def _load_cell(path: str):
+def _load_cell(path: str, config: ml_collections.ConfigDict):
+  """The cell's curves; an error if it was run with another config than `config`."""
   with np.load(path) as data:
-    names = list(dict.fromkeys(k.rsplit("__", 1)[0] for k in data.files))  # write order
+    stored = json.loads(str(data[_CONFIG])) if _CONFIG in data.files else None
+    wanted = json.loads(config.to_json(sort_keys=True))
+    if stored != wanted:
+      differ = sorted(
+        k for k in set(wanted) | set(stored or {}) if (stored or {}).get(k) != wanted.get(k)
+      )
+      raise ValueError(
+        f"{path} was run with another config (keys {', '.join(differ)}); use another workdir "
+        "or delete the cell"
+      )
+    names = list(dict.fromkeys(k.rsplit("__", 1)[0] for k in data.files if k != _CONFIG))
     return {
       tuple(name.split("__")): (float(data[f"{name}__lr"]), data[f"{name}__curves"])
       for name in names
@@ -227,18 +246,18 @@ def run_grid(
     for value in axis.values:
       for policy in axis.policies:
         path = _cell_path(workdir, axis, value, policy)
+        config = cell_config(base, axis, value, policy)
         if not os.path.exists(path):
           if not compute:
             log(f"{axis.name}={value:g} {policy}: not run yet")
             continue
-          config = cell_config(base, axis, value, policy)
           log(f"== {axis.name}: {axis.key}={value:g}, {policy} policy")
           results = sweep.run_sweep(config, log=log)
           curves = {
             name: (float(r.learning_rates[r.best]), r.best_curves) for name, r in results.items()
           }
-          _save_cell(path, curves)
-        rows.extend(cell_rows(axis, value, policy, _load_cell(path)))
+          _save_cell(path, curves, config)
+        rows.extend(cell_rows(axis, value, policy, _load_cell(path, config)))
   return rows
 
 
@@ -349,12 +368,16 @@ def plot_axis(path: str, rows: Sequence[Row], axis: str) -> None:
       x = np.array([r.value for r in sel], np.float64)
       y = np.array([r.summary.final_mean for r in sel])
       e = np.array([r.summary.final_ci for r in sel])
-      jitter = (i - (len(algorithms) - 1) / 2) * 0.02 * (np.ptp(x) or 1.0)
-      ax.errorbar(x + jitter, y, yerr=e, marker="o", ms=3, lw=1.2, capsize=2, label=algorithm)
+      offset = i - (len(algorithms) - 1) / 2  # side by side, not on top of each other
+      if axis in LOG_AXES:
+        x = x * 10.0 ** (0.02 * offset)
+      else:
+        x = x + 0.02 * offset * (np.ptp(x) or 1.0)
+      ax.errorbar(x, y, yerr=e, marker="o", ms=3, lw=1.2, capsize=2, label=algorithm)
     ax.set(
       title=f"{policy} policy, {family}", xlabel=LABELS.get(axis, axis), ylabel="final J / J*class"
     )
-    if axis == "density":
+    if axis in LOG_AXES:
       ax.set_xscale("log")
   axes[0][0].legend(fontsize=7)
   fig.tight_layout()
