@@ -47,9 +47,13 @@ def main(_):
   base = sweep.default_config()
   base.update(num_seeds=_SEEDS.value, num_iterations=_ITERATIONS.value, learning_rates=_LRS.value)
   start = time.perf_counter()
-  rows = grid.run_grid(
-    base, [by_name[n] for n in names], _WORKDIR.value, compute=not _PLOT_ONLY.value
-  )
+  try:
+    rows = grid.run_grid(
+      base, [by_name[n] for n in names], _WORKDIR.value, compute=not _PLOT_ONLY.value
+    )
+  except ValueError as e:  # a bad config value, or cells run with another config
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   regions, drops = grid.region_table(rows), grid.region_table(rows, "drops")
   print("SeeUPO's final J / J*_class minus each other algorithm's:\n")
   print(regions)

@@ -151,25 +151,17 @@ def test_cell_rows_compare_every_algorithm_with_seeupo_run_by_run():
 def test_grid_cells_are_the_sweep_and_are_read_back_not_recomputed(tmp_path, monkeypatch):
   base = sweep.default_config()
   base.update(num_seeds=3, num_iterations=4, learning_rates="1,3")
-  axis = grid.Axis(
-    "scale",
-    "scale_orders",
-    (0.0, 2.0),
-    ("blind",),
-    {"families": "scaled", "algorithms": "seeupo,seeupo_groupstd", "num_turns": 2},
-  )
+  # Two cells of the default `scale` axis (the benchmark command below reads them back).
+  default = {a.name: a for a in grid.DEFAULT_AXES}["scale"]
+  axis = default._replace(values=(0.0, 2.0), policies=("blind",))
   rows = grid.run_grid(base, [axis], str(tmp_path), log=lambda _: None)
-  assert [(r.value, r.algorithm) for r in rows] == [
-    (0.0, "seeupo"),
-    (0.0, "seeupo_groupstd"),
-    (2.0, "seeupo"),
-    (2.0, "seeupo_groupstd"),
-  ]
+  algorithms = ["seeupo", "seeupo_groupstd", "seeupo_nonorm", "grpo"]
+  assert [(r.value, r.algorithm) for r in rows] == [(v, a) for v in (0.0, 2.0) for a in algorithms]
   # The cell at scale_orders = 2 is the sweep of that config, run directly.
   config = grid.cell_config(base, axis, 2.0, "blind")
-  assert (config.scale_orders, config.policy, config.num_turns) == (2.0, "blind", 2)
+  assert (config.scale_orders, config.policy, config.families) == (2.0, "blind", "scaled")
   direct = sweep.run_sweep(config, log=lambda _: None)
-  for r in rows[2:]:
+  for r in rows[4:]:
     want = direct[(r.algorithm, "scaled")]
     assert r.lr == want.learning_rates[want.best]
     assert r.summary == report.summarise(want.best_curves)
@@ -198,18 +190,25 @@ def test_grid_cells_are_the_sweep_and_are_read_back_not_recomputed(tmp_path, mon
   assert (tmp_path / "scale.png").stat().st_size > 0
 
   # The benchmark command reads the same cells (its `scale` axis names the same files).
+  command = [sys.executable, str(_REPO / "benchmarks" / "bench_theory_grid.py")]
+  command += [f"--workdir={tmp_path}", "--axes=scale", "--plot_only", "--num_seeds=3"]
+  command += ["--learning_rates=1,3"]
   done = subprocess.run(
-    [sys.executable, str(_REPO / "benchmarks" / "bench_theory_grid.py"), f"--workdir={tmp_path}"]
-    + ["--axes=scale", "--plot_only"],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    check=True,
+    command + ["--num_iterations=4"], capture_output=True, text=True, timeout=300, check=True
   )
   assert grid.region_table(rows).strip() in done.stdout
   assert "scale=1 blind: not run yet" in done.stdout + done.stderr
   assert (tmp_path / "regions.md").read_text().strip() == grid.region_table(rows).strip()
   assert (tmp_path / "grid_scale.png").read_bytes()[:4] == b"\x89PNG"
+  # Run with another config, the command refuses the cells in one line (exit 2, no traceback).
+  refused = subprocess.run(
+    command + ["--num_iterations=5"], capture_output=True, text=True, timeout=300
+  )
+  assert refused.returncode == 2
+  assert "Traceback" not in refused.stderr
+  assert (
+    "was run with another config (keys num_iterations)" in refused.stderr.strip().splitlines()[-1]
+  )
 
 
 def test_sweep_takes_ten_turns_and_refuses_eleven():
