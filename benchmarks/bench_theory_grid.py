@@ -7,7 +7,8 @@ r"""Where the paper's claims bite: the bandit comparison over horizon, actions, 
 Runs `seeupo_jax.theory.grid.DEFAULT_AXES` (docs/theory.md, "Where the claims bite"): every
 cell is a `--config=bandit` sweep (all its algorithms and families over the learning-rate grid,
 the best rate per algorithm), with the axis' key set and the cell's policy class. Finished cells
-are kept in `WORKDIR/cells/` and skipped on a rerun. Writes `WORKDIR/regions.md` (the map:
+are kept in `WORKDIR/cells/`, with the config they ran, and read back on a rerun; a cell run with
+another config (e.g. other `--num_seeds`) is refused in one line (exit 2). Writes `WORKDIR/regions.md` (the map:
 SeeUPO's final J / J*_class minus each other algorithm's, paired over seeds, with "+", "-" or "="
 for SeeUPO significantly better, worse, or not distinguishable at 95%), `regions_drops.md` (the
 same for the share of iterations where the exact J dropped: the other's minus SeeUPO's),
