@@ -150,8 +150,9 @@ def make_family(name: str, config) -> InstanceFn:
   """The generator of family `name` with its options read from `config` (a mapping)."""
   make = get_family(name)
   options = {key: float(config[key]) for key in FAMILY_OPTIONS.get(name, ())}
+  # The options are checked here, on the config's sizes, before anything is traced.
   if name == "sparse":
-    rewarded_leaves(options["density"], 2, 1)  # checks the range before anything is traced
+    rewarded_leaves(options["density"], int(config["num_actions"]), int(config["num_turns"]))
   if name == "scaled":
-    context_scales(1, options["scale_orders"])
+    context_scales(int(config["num_contexts"]), options["scale_orders"])
   return functools.partial(make, **options) if options else make
