@@ -50,9 +50,8 @@ def _fresh_compiles(request):
   if request.node.get_closest_marker("fresh_compiles") is None:
     yield
     return
-  was_enabled = (
-    jax.config.jax_enable_compilation_cache
-  )  # False under JAX_ENABLE_COMPILATION_CACHE=false
+  # The setting to restore: False under JAX_ENABLE_COMPILATION_CACHE=false.
+  was_enabled = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   compilation_cache.reset_cache()  # the cache's use is decided once, at the first compile
   try:
