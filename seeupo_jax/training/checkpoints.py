@@ -451,6 +451,11 @@ class Checkpointer:
         enable_async_checkpointing=False,
       ),
     )
+    if not read_only:
+      # Orbax deletes them in a background thread and waits for it only at the first save, so
+      # a restore-only run (or a test) could see them afterwards: wait here, so that they are
+      # gone when the constructor returns. (Private in orbax 0.12; setup.py pins < 0.13.)
+      self._manager._maybe_await_cleanup_tmp_directory()
 
   def latest_iteration(self) -> Optional[int]:
     """The newest complete checkpoint's iteration (readable or not), or None if there is none."""
