@@ -2,6 +2,7 @@
 
     python benchmarks/bench_rollout.py                       # both scenarios, 64 episodes x 6 turns
     python benchmarks/bench_rollout.py --scenarios=heavy_tail --median_ms=20 --p99_ms=400
+    python benchmarks/bench_rollout.py --prefill_rows=1,2,4,8       # R side by side
 
 A tiny model (`qwen3-tiny`, random weights) plays `--episodes` episodes of `--turns` turns
 against an environment whose every step sleeps a log-normal latency (median and p99 as flags;
@@ -10,10 +11,17 @@ the same latencies). Reply lengths spread: `--stop_tokens` ids of the vocabulary
 so with near-uniform next-token probabilities a reply's length is geometric with mean
 about vocab / stop_tokens, cut at `--max_new` (1 to 64 tokens by default).
 
-Scenarios (each runs `rollout.scheduler=continuous` and `=turns` on the same decode slots,
-after `--warmups` untimed calls of each (compiles), in alternation `--repeats` times; the ratio is of the medians):
+Scenarios (each runs `rollout.scheduler=continuous` and `=turns` on the same decode slots, at
+each `--prefill_rows` R, after `--warmups` untimed calls of each (compiles), all of them in
+alternation `--repeats` times; the ratio is of the medians, at the same R):
   heavy_tail  environment latency with p99 >= 10x its median;
   instant     no environment latency: only the reply lengths spread.
+
+R, the rows of every prefill call (`rollout.prefill_rows`), is a fixed shape (a row's bits
+depend on it), so a call with fewer rows with new tokens still computes R. On a CPU a prefill
+call's cost grows with its R x width tokens; the continuous engine's calls carry a few rows
+each (rows come back one by one), the barrier's many; the default compares R = 2 (the CPU's
+choice) and R = 8 (`rollout.prefill_rows`'s default, for accelerators).
 
 Prints one JSON line per measurement and a Markdown table (generated tokens per second,
 continuous / turns, the env wait share and slot occupancy of the continuous run).
@@ -83,6 +91,7 @@ def _roller(args, chat, tok, scheduler: str, median_s: float, sigma: float) -> r
     scheduler=scheduler,
     decode_slots=args.slots,
     decode_steps_per_sync=args.steps_per_sync,
+    prefill_rows=args.prefill_rows,
   )
   return rollout.Roller(spec, chat, qwen_config(), sc, config)
 
@@ -91,21 +100,29 @@ def qwen_config():
   return model_config_lib.get_preset("qwen3-tiny")
 
 
-def run_scenario(args, name: str, median_s: float, p99_s: float, params, chat, tok) -> dict:
+def run_scenario(args, name: str, median_s: float, p99_s: float, params, chat, tok) -> list[dict]:
+  """One summary per R of `args.prefill_rows` (every roller run in alternation)."""
   sigma = math.log(p99_s / median_s) / 2.326 if median_s > 0 else 0.0
-  rollers = {s: _roller(args, chat, tok, s, median_s, sigma) for s in rollout.SCHEDULERS}
+  rollers = {
+    (r, s): _roller(
+      argparse.Namespace(**{**vars(args), "prefill_rows": r}), chat, tok, s, median_s, sigma
+    )
+    for r in args.prefill_rows
+    for s in rollout.SCHEDULERS
+  }
   tasks = [f"e{i}" for i in range(args.episodes)]
-  measured = {s: [] for s in rollout.SCHEDULERS}
+  measured = {key: [] for key in rollers}
   try:
-    for s, roller in rollers.items():  # warm-up: compile the programs both will use
+    for roller in rollers.values():  # warm-up: compile the programs each will use
       for seed in range(args.warmups):
         roller.run(params, tasks, 1, jax.random.key(100 + seed))
     for repeat in range(args.repeats):
-      for s, roller in rollers.items():
+      for (r, s), roller in rollers.items():
         result = roller.run(params, tasks, 1, jax.random.key(1 + repeat))
         m = result.metrics
         row = {
           "scenario": name,
+          "prefill_rows": r,
           "scheduler": s,
           "repeat": repeat,
           "wall_s": m["rollout/time"],
@@ -114,18 +131,25 @@ def run_scenario(args, name: str, median_s: float, p99_s: float, params, chat, t
           "env_wait_share": m["rollout/env_wait_share"],
           "slot_occupancy": m["rollout/slot_occupancy"],
           "decode_steps": m["rollout/decode_steps"],
+          "prefill_calls": m["rollout/prefill_calls"],
           "reply_tokens_mean": m["reply_tokens"],
         }
         print(json.dumps(row), flush=True)
-        measured[s].append(row)
+        measured[r, s].append(row)
   finally:
     for roller in rollers.values():
       roller.close()
-  cont = measured["continuous"]
-  turns = measured["turns"]
+  return [summary(name, r, median_s, p99_s, measured) for r in args.prefill_rows]
+
+
+def summary(name, prefill_rows, median_s, p99_s, measured) -> dict:
+  """The medians over repeats of one scenario at one R, and their ratio."""
+  cont = measured[prefill_rows, "continuous"]
+  turns = measured[prefill_rows, "turns"]
   median = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
   return {
     "scenario": name,
+    "prefill_rows": prefill_rows,
     "median_ms": median_s * 1e3,
     "p99_ms": p99_s * 1e3,
     "continuous_tokens_per_s": median(cont, "tokens_per_s"),
@@ -152,9 +176,17 @@ def main(argv=None):
   parser.add_argument("--p99_ms", type=float, default=400.0)
   parser.add_argument("--env_workers", type=int, default=16)
   parser.add_argument("--steps_per_sync", type=int, default=8)
+  parser.add_argument(
+    "--prefill_rows",
+    type=lambda text: [int(r) for r in text.split(",")],
+    default=[2, 8],
+    help="comma-separated values of rollout.prefill_rows, each run side by side",
+  )
   parser.add_argument("--repeats", type=int, default=2)
   parser.add_argument("--warmups", type=int, default=2, help="untimed calls first (compiles)")
   args = parser.parse_args(argv)
+  if min(args.prefill_rows) < 1:
+    parser.error(f"--prefill_rows: {args.prefill_rows}; allowed: ints >= 1")
   tok = tokenizer_lib.build_default_tokenizer()
   chat = chat_tokens.ChatTokens(tok)
   params = qwen.init_params(qwen_config(), jax.random.key(0))
@@ -163,19 +195,20 @@ def main(argv=None):
   for name in args.scenarios.split(","):
     if name not in latencies:
       parser.error(f"--scenarios: {name!r}; allowed: {sorted(latencies)}")
-    summaries.append(run_scenario(args, name, *latencies[name], params, chat, tok))
+    summaries.extend(run_scenario(args, name, *latencies[name], params, chat, tok))
   print(
     f"\n{args.episodes} episodes x {args.turns} turns, {args.slots} decode slots, replies of "
     f"1-{args.max_new} tokens, k = {args.steps_per_sync}\n"
   )
   print(
-    "| scenario | env median / p99 (ms) | reply tokens (mean) | continuous tok/s | turns tok/s "
-    "| continuous / turns | env wait share (cont. / turns) | slot occupancy (cont. / turns) |"
+    "| scenario | prefill rows | env median / p99 (ms) | reply tokens (mean) | continuous tok/s "
+    "| turns tok/s | continuous / turns | env wait share (cont. / turns) "
+    "| slot occupancy (cont. / turns) |"
   )
-  print("|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|")
   for s in summaries:
     print(
-      f"| {s['scenario']} | {s['median_ms']:.0f} / {s['p99_ms']:.0f} | "
+      f"| {s['scenario']} | {s['prefill_rows']} | {s['median_ms']:.0f} / {s['p99_ms']:.0f} | "
       f"{s['reply_tokens_mean']:.1f} | {s['continuous_tokens_per_s']:.0f} | "
       f"{s['turns_tokens_per_s']:.0f} | **{s['ratio']:.2f}x** | "
       f"{s['continuous_env_wait_share']:.1%} / {s['turns_env_wait_share']:.1%} | "

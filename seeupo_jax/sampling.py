@@ -1105,8 +1105,14 @@ class SamplerSession:
     table = self.page_table()
     staged, self._staged = self._staged, []
     for call in staged:
-      self.rows = self._prefill(params, self.rows, table, *call)
+      self.rows = self.prefill_program(params, self.rows, table, call)
     return table
+
+  def prefill_program(self, params, rows: DecodeRows, table: np.ndarray, call: PrefillCall):
+    """The session's compiled prefill program on `rows` (donated) for one `PrefillCall`:
+    writes its rows' tokens and begins the replies of its `begin` rows. Returns the rows
+    after. `prepare_decode` runs the staged calls with it; a benchmark times it alone."""
+    return self._prefill(params, rows, table, *call)
 
   def decode_program(self, params, rows: DecodeRows, table: np.ndarray):
     """The session's compiled decode program on `rows` (donated): up to k decode steps of

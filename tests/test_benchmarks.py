@@ -168,6 +168,55 @@ def test_bench_multiturn_continue_and_reprefill_sample_the_same():
   assert turn2["reprefill_attention_growth"] == pytest.approx(sum(range(1, 16)) / 28, abs=1e-3)
 
 
+def test_bench_rollout_compares_the_schedulers_at_each_prefill_rows():
+  """Tiny: 4 episodes x 2 turns on 2 slots, R = 1 and 2 side by side; the summaries are the
+  medians of the measurement lines and their ratio, per R."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  args = "--scenarios instant --episodes 4 --turns 2 --slots 2 --max_new 8 --env_workers 2"
+  args += " --repeats 3 --warmups 1 --prefill_rows 1,2 --max_context 128"
+  done = subprocess.run(
+    [sys.executable, str(REPO / "benchmarks" / "bench_rollout.py"), *args.split()],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
+    check=True,
+  )
+  lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+  rows, summaries = lines[:-1], lines[-1]["summaries"]
+  assert len(rows) == 3 * 2 * 2  # repeats x R values x schedulers
+  assert [s["prefill_rows"] for s in summaries] == [1, 2]
+  for s in summaries:
+    mine = {
+      sched: sorted(
+        r["tokens_per_s"]
+        for r in rows
+        if r["prefill_rows"] == s["prefill_rows"] and r["scheduler"] == sched
+      )[1]  # the median of 3
+      for sched in ("continuous", "turns")
+    }
+    assert s["continuous_tokens_per_s"] == mine["continuous"]
+    assert s["turns_tokens_per_s"] == mine["turns"]
+    assert s["ratio"] == pytest.approx(mine["continuous"] / mine["turns"])
+  # The same episodes and keys at every R and schedule: the same tokens generated.
+  assert len({r["generated_tokens"] for r in rows if r["repeat"] == 0}) == 1
+  assert "| instant | 2 | 0 / 0 |" in done.stdout
+
+
+def test_bench_prefill_times_each_rows_and_width_beside_a_decode_step():
+  result = _run(
+    "bench_prefill.py",
+    *"--rows 3 --prefill-rows 1,2 --widths 8,16 --context 8 --steps 2 --repeats 1".split(),
+  )
+  assert result["decode_step_ms"] > 0
+  calls = {(e["prefill_rows"], e["width"]): e for e in result["calls"]}
+  assert sorted(calls) == [(1, 8), (1, 16), (2, 8), (2, 16)]
+  for (r, w), e in calls.items():
+    assert e["us_per_token"] == pytest.approx(1000 * e["call_ms"] / (r * w))
+    assert e["decode_steps"] == pytest.approx(e["call_ms"] / result["decode_step_ms"])
+    assert e["one_row_vs_smallest"] == pytest.approx(e["call_ms"] / calls[1, w]["call_ms"])
+
+
 def test_bench_decode_step_times_each_pool_size():
   result = _run(
     "bench_decode_step.py",
