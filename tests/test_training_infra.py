@@ -2,6 +2,7 @@
 errors, interrupted saves, config checks) and the metrics log (JSON lines, TensorBoard, curves,
 tables)."""
 
+import asyncio
 import dataclasses
 import functools
 import glob
@@ -235,7 +236,23 @@ def test_a_different_model_is_refused_naming_the_first_differing_leaf(tiny_check
     assert ckpt.restore_latest(_abstract_state(tiny, optimizer), key)[0] == 3
 
 
-def test_a_leftover_temporary_directory_is_ignored_and_removed(tmp_path):
+@pytest.fixture
+def slow_orbax_cleanup(monkeypatch):
+  """Orbax's deletion of leftover temporary directories (a coroutine it runs in a background
+  thread), 0.5 s late: without the wait in `Checkpointer`'s constructor, the directory is
+  still there when the test looks (what CI once saw, by chance)."""
+  from orbax.checkpoint._src.path import temporary_paths  # orbax 0.12's module
+
+  original = temporary_paths.cleanup_temporary_paths
+
+  async def late(*args, **kwargs):
+    await asyncio.sleep(0.5)
+    return await original(*args, **kwargs)
+
+  monkeypatch.setattr(temporary_paths, "cleanup_temporary_paths", late)
+
+
+def test_a_leftover_temporary_directory_is_ignored_and_removed(tmp_path, slow_orbax_cleanup):
   with checkpoints.Checkpointer(str(tmp_path), every=1) as ckpt:
     ckpt.save(1, _small_tree(1), jax.random.key(1), {"at": 1})
   # What an interrupted save of iteration 2 leaves: a copy of a checkpoint under a tmp name,
