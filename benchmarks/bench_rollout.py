@@ -73,7 +73,9 @@ class LatencyEnv:
     pass
 
 
-def _roller(args, chat, tok, scheduler: str, median_s: float, sigma: float) -> rollout.Roller:
+def _roller(
+  args, chat, tok, scheduler: str, prefill_rows: int, median_s: float, sigma: float
+) -> rollout.Roller:
   vocab = qwen_config().vocab_size
   stops = tuple(range(vocab - args.stop_tokens, vocab)) + tuple(tokenizer_lib.stop_token_ids(tok))
   sc = sampling.SamplingConfig(
@@ -91,7 +93,7 @@ def _roller(args, chat, tok, scheduler: str, median_s: float, sigma: float) -> r
     scheduler=scheduler,
     decode_slots=args.slots,
     decode_steps_per_sync=args.steps_per_sync,
-    prefill_rows=args.prefill_rows,
+    prefill_rows=prefill_rows,
   )
   return rollout.Roller(spec, chat, qwen_config(), sc, config)
 
@@ -104,9 +106,7 @@ def run_scenario(args, name: str, median_s: float, p99_s: float, params, chat, t
   """One summary per R of `args.prefill_rows` (every roller run in alternation)."""
   sigma = math.log(p99_s / median_s) / 2.326 if median_s > 0 else 0.0
   rollers = {
-    (r, s): _roller(
-      argparse.Namespace(**{**vars(args), "prefill_rows": r}), chat, tok, s, median_s, sigma
-    )
+    (r, s): _roller(args, chat, tok, s, r, median_s, sigma)
     for r in args.prefill_rows
     for s in rollout.SCHEDULERS
   }
