@@ -5,8 +5,8 @@ decode program of `--steps` steps (every row decodes all of them) over page pool
 different sizes (`--pool-pages`, the pages the pool holds; the rows use the same few of them
 in each). A step's work is the rows' tokens: the attention reads the blocks of pages the
 rows fill and the new keys are scattered into them; nothing should grow with the pool's
-unused pages (before session 11, each layer's whole pool was sliced out, a copy, every layer
-of every step). The pools' programs alternate within one run; each reports the fastest of
+unused pages (slicing each layer's pool out of the stacked pools would copy the whole pool,
+every layer of every step). The pools' programs alternate within one run; each reports the fastest of
 `--repeats` calls, in ms per decode step, and the ratio of the largest pool to the smallest.
 
   .venv/bin/python benchmarks/bench_decode_step.py                  # qwen3-bench, 25 vs 400

@@ -28,7 +28,7 @@ last one listed (default: SeeUPO / GSPO), with the per-round ratios.
 The bridge's cost. The rollout's own sampler time is the fair baseline:
   bridge overhead = (rollout wall - sampling) / rollout wall,
 the share of the rollout that the environments, tokenization and host
-bookkeeping add on top of the jitted sampler (the issue's target: < 10%).
+bookkeeping add on top of the jitted sampler (the target: < 10%).
 For reference the report also times the plain single-turn sampler
 (`sampling.make_sampler`, same model, params and decoding settings, no stop
 tokens) on the real first-turn prompts of the B x n rows (left-padded),

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU checks of the model issue as one prepared script, for a session whose task is lent a
-# device machine (its image has jax/jaxlib with CUDA, flax, chex, optax, torch, transformers,
-# safetensors, pytest: nothing to install). From the repo root there:
+# The GPU checks of the model as one prepared script, for a machine with one GPU whose image has
+# jax/jaxlib with CUDA, flax, chex, optax, torch, transformers, safetensors and pytest (nothing
+# to install). From the repo root there:
 #
-#   bash benchmarks/device_check.sh          # about 5 minutes on one H200; log in $OUT
+#   bash benchmarks/device_check.sh          # a few minutes on one H200 (estimated); log in $OUT
 #
 # 1. MFU of forward+backward for the qwen3-0.6b preset in bf16 (8 x 2048 tokens), two attention
 #    block sizes; the peak is the H100/H200 SXM bf16 dense figure (989 TFLOP/s, datasheet).
@@ -13,8 +13,9 @@
 #    generation token for token), which also catch TF32 matmuls sneaking into float32.
 #
 # On a CPU, `PRESET=qwen3-tiny SEQ=64 BATCH=2 NEW=8 BLOCKS=256 ROUNDS=1 SKIP_TESTS=1 bash
-# benchmarks/device_check.sh` runs the benchmark steps small (tests/test_benchmarks.py does so), so the script does not rot
-# between GPU sessions; TEST_PLATFORM=cpu instead of SKIP_TESTS=1 runs the tests on the CPU.
+# benchmarks/device_check.sh` runs the benchmark steps small (tests/test_benchmarks.py does so),
+# so the script keeps working without a GPU; TEST_PLATFORM=cpu instead of SKIP_TESTS=1 runs the
+# tests on the CPU.
 set -uo pipefail
 OUT=${OUT:-/tmp/device_check}
 PY=${PY:-python3}

@@ -735,8 +735,7 @@ def prefill_widths(chunk: int) -> tuple[int, ...]:
   """The widths of a session's prefill calls: C / 8, C / 4, C / 2 and C (C = `prefill_chunk`),
   those >= 8, ascending. A row's chunk of L tokens goes in a call of the smallest width >= L,
   so it pays for at most 2L tokens (or C / 8, or 8), never C; a run compiles at most 4
-  prefill programs per pool size. (Until session 12: C / 16, C / 4, C; an observation of 17
-  to 32 tokens paid for 64.)"""
+  prefill programs per pool size."""
   return tuple(sorted({w for w in (chunk // 8, chunk // 4, chunk // 2) if w >= 8} | {chunk}))
 
 

@@ -8,10 +8,10 @@ benchmark scripts, the notebooks' kernels) shares one persistent JAX compilation
 temporary directory made by the session's first pytest process (the xdist controller; its
 workers and their children inherit it) and removed when that process ends. A program that
 several tests' subprocesses compile (the same config, shapes and devices) compiles once: most
-of a short `run.py` is compilation on 2 cores (69 s cold, 25 s from the cache, session 12). The
+of a short `run.py` is compilation on 2 cores (69 s cold, 25 s from the cache, 2026-12-02). The
 test processes (the xdist workers) use it too: tests that build the same tiny programs afresh
 (a new closure each, so jit's in-memory cache misses) compile them once (the learner's TIS and
-mask tests: 103 s without it, 74.5 s with it, session 13). A test that times compilation or
+mask tests: 103 s without it, 74.5 s with it, 2026-12-02). A test that times compilation or
 reads a compiled executable's HLO is marked `fresh_compiles`: it runs with the cache off. A
 size limit turns on JAX's file lock around every read and write of the cache (and evicts the
 least recently used entries beyond it). A process a test kills with SIGKILL must not write to

@@ -1,6 +1,6 @@
 """Independent NumPy (float64, explicit loops) references for `seeupo_jax.losses`.
 
-Written from the formulas in the issue and the paper, not from the JAX code:
+Written from the paper's formulas, not from the JAX code:
 plain Python loops over rows, groups and tokens.
 """
 

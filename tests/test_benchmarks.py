@@ -80,7 +80,7 @@ def test_device_check_script_runs_small_on_the_cpu(tmp_path):
     ROUNDS="1",
     SKIP_TESTS="1",
     # The GPU's limits are for a GPU: on a 2-core CPU beside other tests, the learner step's
-    # compilations alone took more than its 300 s (session 11).
+    # compilations alone took more than its 300 s (2026-12-01).
     LIMIT_SCALE="3",
   )
   done = subprocess.run(

@@ -181,7 +181,7 @@ def test_masters_and_moments_live_on_the_params_shardings():
 
 
 # ----------------------------------------------------------------------------------------------
-# The check: qwen3-tiny, GSPO, 8 x 64 tokens, 5 AdamW steps at lr 1e-6.
+# The check: qwen3-tiny, GSPO, 8 x 64 tokens, 5 AdamW steps at lr 1e-6.
 
 
 def _gspo_batch(vocab, rows=8, length=64, prompt=16):

@@ -338,7 +338,7 @@ def test_tis_with_the_learners_own_logprobs_is_tis_off(algorithm, level, epochs)
   bit as TIS off (fused first pass with 1 epoch, separate pass with 2), and the same metrics (to
   an ulp: the two programs compile to different fusions, seen on advantage_abs_mean). The mean
   weight is 1 to an ulp too: `own` comes from another program than the learner's pass, and on
-  some CPUs (AMD EPYC, session 13) a token's two log-probs differ in the last bit, so a sequence
+  some CPUs (AMD EPYC) a token's two log-probs differ in the last bit, so a sequence
   weight exp(mean log-ratio) is 1 + 2^-23."""
   batch = BATCHES["ragged"]
   own = jax.jit(logprob_fn)({"table": jnp.asarray(TABLE0)}, jax.tree.map(jnp.asarray, batch))

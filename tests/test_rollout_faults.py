@@ -55,7 +55,7 @@ def _call(name, **arguments):
 
 
 # What the "model" says on BFCL entry multi_turn_base_15 (a file system and MathAPI): the
-# hanging calls of the issue in the second reply, then a reply whose answer shows the state.
+# known hanging calls in the second reply, then a reply whose answer shows the state.
 TOUCH = _call("touch", file_name="DataSet1.csv")
 LS = _call("ls")
 SCRIPTS = {

@@ -523,7 +523,7 @@ def test_check_config_takes_a_key_absent_from_the_checkpoint_at_its_default():
 
 
 def test_check_config_follows_a_key_to_the_one_name_it_moved_to():
-  """AppWorld's checkpoints before session 13 hold env.max_turns, a copy of rollout.max_turns;
+  """AppWorld's checkpoints before commit 6308e64 hold env.max_turns, a copy of rollout.max_turns;
   the config has only rollout.max_turns now. Equal values resume; a copy that differed (a run
   whose env limit was not its rollout limit) is refused, naming both keys."""
   moved = config_lib.MOVED_KEYS

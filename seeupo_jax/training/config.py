@@ -41,7 +41,7 @@ TURN_LIMIT_OPTIONS = {"appworld": "max_turns"}
 `rollout.max_turns` (`TrainConfig.env_options`); the `env` section has no key for it."""
 MOVED_KEYS = {"env.max_turns": "rollout.max_turns"}
 """Keys that older configs had, and the key that holds the value now: a checkpoint written with
-`env.max_turns` (AppWorld, before session 13) resumes while the values agree
+`env.max_turns` (AppWorld configs before commit 6308e64) resumes while the values agree
 (`checkpoints.check_config`)."""
 
 
