@@ -19,7 +19,7 @@ _RUN = os.path.join(_ROOT, "experiments", "run.py")
 # A small, fast run: 2 dials, 4 tasks x 4 samples, evaluation on 4 tasks.
 # 2 dials without decoys, 8 x 8: a 10-iteration mean of 0.5 was first passed at iterations 180,
 # 90, 150 and 190 with seeds 0-3 (docs/training.md, "Learning curves"); with decoys seeds 0-2
-# had not by 200 (main before the engine: seed 0 at 117, seed 1 not by 200, seed 2 at 140).
+# had not by 200 (2026-12-01, a 2-core CPU).
 LEARN_ITERATIONS = 300
 
 SMALL = (
