@@ -35,6 +35,7 @@ shows its traceback.
 
 import functools
 import os
+import re
 import sys
 import traceback
 
@@ -68,9 +69,14 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0 
 
 def _run_bandit(config: ml_collections.ConfigDict, workdir: str, defaults) -> None:
   from seeupo_jax.theory import sweep  # pylint: disable=g-import-not-at-top
+  from seeupo_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
   from seeupo_jax.training import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
 
   del defaults
+  try:  # every name and size, before the workdir is made or anything compiles
+    sweep.validate(config)
+  except ValueError as e:
+    raise config_lib.ConfigError(str(e)) from None
   workdir_lib.prepare(workdir)
   sweep.main(config, workdir)
 
@@ -123,15 +129,70 @@ def check_overrides(config: ml_collections.ConfigDict, name: str, argv: list[str
       node, where = node[part], (f"{where}.{part}" if where else part)
 
 
+def _type_words(kind: type, path: str) -> str:
+  """What a value of config type `kind` looks like on the command line."""
+  words = {
+    bool: "True or False",
+    int: "an int",
+    float: "a number",
+    str: "a string",
+    tuple: f"a tuple (comma-separated: --config.{path}=a,b)",
+    ml_collections.ConfigDict: "a dict (\"{'key': value}\")",
+  }
+  return words.get(kind, f"a {kind.__name__}")
+
+
+def flag_error(
+  error: flags.Error, config: ml_collections.ConfigDict, name: str, argv: list[str]
+) -> str:
+  """The one-line message (after `error: `) for a command line that absl refuses to parse.
+
+  A value that does not parse as its key's type (`--config.rollout.max_turns=three`) is named
+  with its key, the value as given and the type the key takes; any other flag error is absl's
+  own message on one line.
+  """
+  text = one_line(error)
+  match = re.match(r"flag --config\.([\w.]+)=", text)
+  if not match:
+    return text
+  path = match.group(1)
+  parent, _, key = path.rpartition(".")
+  node = config
+  for part in parent.split(".") if parent else ():
+    node = node[part]
+  kind = node.get_type(key)
+  given = [arg.split("=", 1)[1] for arg in argv if arg.startswith(f"--config.{path}=")]
+  value = given[-1] if given else text[match.end() :].split(":", 1)[0]
+  return f"bad config for --config={name}: {path}={value!r}; expected {_type_words(kind, path)}"
+
+
+def _parse_flags(argv: list[str], config: ml_collections.ConfigDict, name: str) -> list[str]:
+  """absl's flag parsing, with a refused command line as one `error:` line, exit status 2."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f"error: {flag_error(e, config, name, argv)}", file=sys.stderr)
+    sys.exit(2)
+
+
 def _main(argv: list[str], name: str) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    print(
+      f"error: unexpected arguments {argv[1:]}: options are --name=value (--help lists them)",
+      file=sys.stderr,
+    )
+    sys.exit(2)
   workdir = _WORKDIR.value or os.path.join("runs", name)
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
     logging.set_verbosity(logging.WARNING)
   config = flags.FLAGS.config
   if config.program not in PROGRAMS:
-    raise app.UsageError(f"config.program={config.program!r}; allowed: {sorted(PROGRAMS)}")
+    print(
+      f"error: bad config for --config={name}: program={config.program!r}; allowed: "
+      f"{sorted(PROGRAMS)}",
+      file=sys.stderr,
+    )
+    sys.exit(2)
   if config.program == "train":  # the program boundary: one typed, checked config from here on
     from seeupo_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
 
@@ -203,7 +264,11 @@ def run(argv: list[str]) -> None:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   config_flags.DEFINE_config_dict("config", config, lock_config=True, sys_argv=argv)
-  app.run(functools.partial(_main, name=name), argv=argv)
+  app.run(
+    functools.partial(_main, name=name),
+    argv=argv,
+    flags_parser=functools.partial(_parse_flags, config=config, name=name),
+  )
 
 
 if __name__ == "__main__":

@@ -542,6 +542,16 @@ def _load_ids(path: str, what: str) -> list[str]:
   return ids
 
 
+def _first_of(failures: list[tuple[str, Optional[str]]]) -> str:
+  """Servers that failed, in a few words: their count, the first URL and why it failed, and
+  the last URL ("256 tried, http://h:8000 .. http://h:8255; the first: GET ...: refused")."""
+  (first, why), last = failures[0], failures[-1][0]
+  reason = why if why and first in why else f"{first}: {why or 'no reason recorded'}"
+  if len(failures) == 1:
+    return f"1 tried: {reason}"
+  return f"{len(failures)} tried, {first} .. {last}; the first: {reason}"
+
+
 def spec(config: AppWorldConfig, pool: Optional[client_lib.ServerPool] = None) -> base.EnvSpec:
   """The registry entry: probes the servers, reads the API docs and the task ids.
 
@@ -557,7 +567,7 @@ def spec(config: AppWorldConfig, pool: Optional[client_lib.ServerPool] = None) -
   results = pool.probe(log=False)
   answering = [url for url, reason in results.items() if reason is None]
   if not answering:
-    tried = client_lib.url_listing(list(results.items()))
+    tried = _first_of(list(results.items()))
     if config.urls:
       command = client_lib.start_command()
       flags = "--config.env.urls=http://<host>:<port>,..."
@@ -567,15 +577,15 @@ def spec(config: AppWorldConfig, pool: Optional[client_lib.ServerPool] = None) -
         f"--config.env.base_port={config.base_port} --config.env.num_servers={config.num_servers}"
       )
     raise base.EnvironmentUnavailable(
-      f"no AppWorld environment server answers ({len(results)} tried: {tried}). Start them "
+      f"no AppWorld environment server answers ({tried}). Start them "
       f"(from AppWorld's own venv) with `{command}` and run with {flags} (docs/appworld.md)"
     )
   if len(answering) < len(results):
     logging.warning(
-      "%d of %d AppWorld servers answer; running without %s",
+      "%d of %d AppWorld servers answer; running without the others (%s)",
       len(answering),
       len(results),
-      sorted(set(results) - set(answering)),
+      _first_of([(url, why) for url, why in results.items() if why is not None]),
     )
 
   train_file = _split_file(config, config.train_split, config.train_ids_file)

@@ -52,9 +52,12 @@ class ConfigError(ValueError):
 _POSITIVE = fields.int_at_least(1)
 
 
-def _like(cls, name: str, note: str | None = None) -> Any:
-  """A field that allows what field `name` of dataclass `cls` allows (one declaration)."""
+def _like(cls, name: str, note: str | None = None, *, description: str | None = None) -> Any:
+  """A field that allows what field `name` of dataclass `cls` allows (one declaration): in
+  `cls`'s words, with a `note` after them, or in the config's own `description`."""
   allowed = fields.allowed_of(cls, name)
+  if description is not None:
+    allowed = fields.Allowed(allowed.ok, description)
   return fields.field(fields.described(allowed, note) if note else allowed)
 
 
@@ -86,7 +89,12 @@ class RolloutSection:
   tasks_per_iteration: int = fields.field(_POSITIVE)  # B
   samples_per_task: int = fields.field(_POSITIVE)  # n, the group size
   max_reply_tokens: int = _like(sampling.SamplingConfig, "max_new_tokens")
-  temperature: float = _like(sampling.SamplingConfig, "temperature")
+  temperature: float = _like(  # the sampler's words name its own `greedy`, not a config key
+    sampling.SamplingConfig,
+    "temperature",
+    description="a finite number > 0 (rollouts and evaluation sample at this temperature; "
+    "eval.greedy=True evaluates with argmax decoding)",
+  )
   top_k: int = _like(sampling.SamplingConfig, "top_k")
   top_p: float = _like(sampling.SamplingConfig, "top_p")
   decode_tensor_parallel: int = fields.field(

@@ -4,6 +4,9 @@
     with workdir.lock(path):           # WorkdirLocked: another live run holds it
       ...                              # train; the lock goes when the block ends
 
+    with workdir.prepared(path):       # prepare(path); if the block raises, the directories
+      ...                              # prepare made are removed again while still empty
+
 The lock is `<workdir>/lock`, created with `O_EXCL` and holding one JSON line
 `{"host", "pid", "started"}`, with an exclusive `fcntl.flock` on it held until the run ends.
 The kernel drops the flock when the process dies, even by kill -9, so a lock file left behind
@@ -16,13 +19,14 @@ runs racing for one stale lock cannot both win.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
 import json
 import os
 import socket
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from absl import logging
 
@@ -48,6 +52,29 @@ def prepare(workdir: str) -> None:
     raise WorkdirError(f"cannot create the workdir {workdir}: {e.strerror or e}") from e
   if not os.access(workdir, os.W_OK | os.X_OK):
     raise WorkdirError(f"the workdir {workdir} is not writable")
+
+
+@contextlib.contextmanager
+def prepared(workdir: str) -> Iterator[None]:
+  """`prepare(workdir)` for the block. If the block raises (a run refused at start-up: a bad
+  config, an environment that cannot run here, a locked workdir), the directories `prepare`
+  created (the workdir and any parents it made) are removed again where still empty, so a run
+  that did not start leaves nothing behind; a workdir that existed before is kept as it is."""
+  created = []
+  path = os.path.abspath(workdir)
+  while not os.path.exists(path):
+    created.append(path)
+    path = os.path.dirname(path)
+  prepare(workdir)
+  try:
+    yield
+  except BaseException:
+    for directory in created:  # the workdir first, then its new parents
+      try:
+        os.rmdir(directory)  # only an empty directory
+      except OSError:
+        break
+    raise
 
 
 def _host() -> str:
