@@ -517,25 +517,42 @@ def test_read_metrics_skips_a_corrupt_middle_line(tmp_path, caplog):
   assert "metrics.jsonl: skipped 1 line(s)" in caplog.text and "line 2" in caplog.text
 
 
-def test_plot_curves_writes_a_png_with_one_panel_per_present_key(tmp_path):
+def test_plot_panels_writes_a_png_with_one_panel_per_present_panel(tmp_path):
   import matplotlib.image
 
   records = [
     {"iteration": i, "loss": 1.0 / (i + 1), "reward": None if i == 3 else i} for i in range(10)
   ]
+  loss, reward = metrics_log.Panel("loss", ("loss",)), metrics_log.Panel("reward", ("reward",))
+  missing = metrics_log.Panel("missing", ("missing",))
   two = str(tmp_path / "two.png")
-  metrics_log.plot_curves(records, two, keys=("loss", "reward"), title="run")
+  figure = metrics_log.plot_panels(records, two, [loss, reward], title="run", columns=1)
+  assert [ax.get_title() for ax in figure.axes] == ["loss", "reward"]
+  assert figure.get_suptitle() == "run"
+  y = figure.axes[1].get_lines()[0].get_ydata()
+  assert np.isnan(y[3]) and list(np.delete(y, 3)) == [0, 1, 2, 4, 5, 6, 7, 8, 9]  # None: a gap
   with_absent = str(tmp_path / "plots" / "absent.png")
-  metrics_log.plot_curves(records, with_absent, keys=("loss", "missing", "reward"))
+  metrics_log.plot_panels(records, with_absent, [loss, missing, reward], columns=1)
   one = str(tmp_path / "one.png")
-  metrics_log.plot_curves(records, one, keys=("loss",))
+  metrics_log.plot_panels(records, one, [loss], columns=1)
   for path in (two, with_absent, one):
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
   heights = [matplotlib.image.imread(p).shape[0] for p in (two, with_absent, one)]
-  assert heights[0] == heights[1] > heights[2]  # the absent key got no panel
+  assert heights[0] == heights[1] > heights[2]  # the absent panel was left out
+  # Two columns: the two panels side by side, twice as wide and less tall.
+  side = metrics_log.plot_panels(records, str(tmp_path / "side.png"), [loss, reward])
+  assert side.get_size_inches()[0] == 2 * figure.get_size_inches()[0]
+  assert side.get_size_inches()[1] < figure.get_size_inches()[1]
   empty = str(tmp_path / "empty.png")
-  metrics_log.plot_curves([], empty, keys=("loss",))
+  metrics_log.plot_panels([], empty, [loss])
   assert os.path.getsize(empty) > 0
+  assert sorted(os.listdir(tmp_path)) == [
+    "empty.png",
+    "one.png",
+    "plots",
+    "side.png",
+    "two.png",
+  ]  # no temporary file left
 
 
 def test_format_table_aligns_columns():

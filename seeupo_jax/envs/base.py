@@ -98,6 +98,9 @@ class EnvSpec:
     (worker processes with time limits: for in-process backends that a model's arguments can
     hang, such as BFCL's). With "process", `make` must be picklable (a module-level function
     or a `functools.partial` of one) and each call's result too.
+  chance: the success rate of a policy that ignores the observations (what a model starts at
+    before it learns the task), when the family knows it exactly; None otherwise. The training
+    program draws it as a line on the learning curves.
   """
 
   make: Callable[[], Environment]
@@ -106,6 +109,7 @@ class EnvSpec:
   oracle: Optional[Callable[[str], list[str]]] = None
   capacity: Optional[Callable[[], int]] = None
   isolation: str = "thread"
+  chance: Optional[float] = None
 
 
 class EnvironmentUnavailable(RuntimeError):

@@ -185,5 +185,8 @@ def spec(config: SyntheticConfig) -> base.EnvSpec:
     return [f"{split}/{i}" for i in range(count)]
 
   return base.EnvSpec(
-    make=functools.partial(SyntheticEnv, config), task_ids=task_ids, max_turns=config.num_dials
+    make=functools.partial(SyntheticEnv, config),
+    task_ids=task_ids,
+    max_turns=config.num_dials,
+    chance=2.0**-config.num_dials,  # each dial's direction is a fair coin, whatever is replied
   )

@@ -193,6 +193,11 @@ def _cached_setting_fn(static_json: str, algorithm: str):
   )
 
 
+def grid_text(lrs: np.ndarray) -> str:
+  """The learning-rate grid as written: "[0.3, 1, 3]" (shortest form, not float32's digits)."""
+  return "[" + ", ".join(f"{float(lr):g}" for lr in lrs) + "]"
+
+
 def run_sweep(config: ml_collections.ConfigDict, log=print) -> dict[tuple[str, str], SettingResult]:
   """Runs every (algorithm, family) on the grid; see module doc."""
   validate(config)
@@ -209,7 +214,7 @@ def run_sweep(config: ml_collections.ConfigDict, log=print) -> dict[tuple[str, s
       results[(algorithm, family)] = SettingResult(lrs, curves, best)
       log(
         f"{algorithm:>16s} on {family:<7s} {time.perf_counter() - start:5.1f}"
-        f" s (lr grid {lrs.tolist()}, best {lrs[best]:g})"
+        f" s (lr grid {grid_text(lrs)}, best {lrs[best]:g})"
       )
   return results
 
@@ -239,7 +244,7 @@ def describe(config: ml_collections.ConfigDict) -> str:
     f"simultaneous updates, 1 x 1 for REINFORCE/RLOO); clip "
     f"{config.clip_eps}, correction clip {config.correction_clip}, gamma "
     f"{config.gamma}; {config.num_seeds} seeds (seed {config.seed}); SGD, "
-    f"learning-rate grid {learning_rates(config).tolist()}, best per row."
+    f"learning-rate grid {grid_text(learning_rates(config))}, best per row."
   )
 
 

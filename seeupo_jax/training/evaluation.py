@@ -10,10 +10,11 @@ import numpy as np
 from seeupo_jax.rollout import Roller, Trajectory
 
 
-def pass_at_k(trajectories: Sequence[Trajectory], k: int) -> dict[str, float]:
+def pass_at_k(trajectories: Sequence[Trajectory], k: int) -> dict[str, float | int]:
   """avg@k = mean success over all samples; pass@k = share of tasks with a success in k samples.
 
-  Trajectories of failed groups (dropped) are left out and counted.
+  Trajectories of failed groups (dropped) are left out and counted: "tasks" and "failed_tasks"
+  are ints, the rest floats.
   """
   by_task: dict[str, list[bool]] = {}
   for t in trajectories:
@@ -26,14 +27,14 @@ def pass_at_k(trajectories: Sequence[Trajectory], k: int) -> dict[str, float]:
     "reward": float(np.mean([t.reward for t in trajectories if not t.dropped]))
     if samples
     else float("nan"),
-    "tasks": float(len(by_task)),
-    "failed_tasks": float(len({t.task_id for t in trajectories if t.dropped})),
+    "tasks": len(by_task),
+    "failed_tasks": len({t.task_id for t in trajectories if t.dropped}),
   }
 
 
 def evaluate(
   roller: Roller, params, task_ids: Sequence[str], k: int, rng: jax.Array, tasks_per_call: int
-) -> dict[str, float]:
+) -> dict[str, float | int]:
   """Runs k samples of every task (in calls of `tasks_per_call` tasks) and scores them.
 
   With many processes (`roller.processes`), each plays its block of every call's tasks; the

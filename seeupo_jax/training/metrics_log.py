@@ -3,7 +3,7 @@
     log = MetricsLog(workdir, resume_from=first_iteration)
     log.write(iteration, metrics)          # {"loss": 0-d array, ...}: one line, flushed
     log.close()
-    plot_curves(read_metrics(log.path), workdir + "/curves.png", keys=("reward", "loss"))
+    plot_panels(read_metrics(log.path), workdir + "/curves.png", [Panel("reward", ("reward",))])
     print(format_table(rows, ("split", "avg@4", "pass@4")))
 
 `metrics.jsonl` holds one JSON object per line, `{"iteration": i, "time": unix seconds,
@@ -19,9 +19,11 @@ records around it are kept.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import stat
 import tempfile
 import time
 from typing import Any, Mapping, Optional, Sequence
@@ -88,9 +90,13 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 
 def _atomic_write(path: str, text: str) -> None:
-  """Writes `text` to `path` through a temporary file in the same directory and os.replace."""
+  """Writes `text` to `path` through a temporary file in the same directory and os.replace; an
+  existing file keeps its permission bits (mkstemp's file is 0600)."""
+  mode = stat.S_IMODE(os.stat(path).st_mode) if os.path.exists(path) else None
   fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".metrics-", suffix=".tmp")
   try:
+    if mode is not None:
+      os.fchmod(fd, mode)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
       f.write(text)
       f.flush()
@@ -224,44 +230,152 @@ class MetricsLog:
 # Curves and tables.
 
 
-def plot_curves(
-  records: Sequence[Mapping[str, Any]], png_path: str, *, keys: Sequence[str], title: str = ""
-) -> None:
-  """Writes a PNG with one subplot per metric, against the iteration (matplotlib, Agg backend).
+@dataclasses.dataclass(frozen=True)
+class Panel:
+  """One subplot of `plot_panels`: the metrics drawn in it, one line each, and how.
+
+  title: the subplot's title.
+  keys: the metrics (one line per key that some record holds; a panel none of whose keys is in
+    any record is left out).
+  smooth: > 0: each key's raw points are drawn faint, with a trailing mean over this many
+    records (fewer at the start) as the line over them.
+  chance: a horizontal dotted line at this value (the level of a policy that ignores what it
+    sees), or None for none.
+  chance_label: the line's legend entry.
+  log_y: a logarithmic y axis (values <= 0 are not drawn).
+  unit_range: the y axis spans [0, 1] (shares, success rates).
+  """
+
+  title: str
+  keys: tuple[str, ...]
+  smooth: int = 0
+  chance: Optional[float] = None
+  chance_label: str = "chance"
+  log_y: bool = False
+  unit_range: bool = False
+
+
+def trailing_mean(values: np.ndarray, window: int) -> np.ndarray:
+  """The mean of each value and the (window - 1) before it (fewer at the start); NaNs (gaps)
+  are left out of the means, and a window of only NaNs is NaN."""
+  values = np.asarray(values, np.float64)
+  finite = np.isfinite(values)
+  sums = np.cumsum(np.where(finite, values, 0.0))
+  counts = np.cumsum(finite)
+  start = np.maximum(np.arange(len(values)) - window, -1)
+  before_sums = np.where(start >= 0, sums[np.maximum(start, 0)], 0.0)
+  before_counts = np.where(start >= 0, counts[np.maximum(start, 0)], 0)
+  n = counts - before_counts
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return np.where(n > 0, (sums - before_sums) / np.maximum(n, 1), np.nan)
+
+
+def _series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+  """(iterations, values) of the records that hold `key` (None, a NaN in the log, as NaN)."""
+  points = [(r["iteration"], r[key]) for r in records if key in r]
+  x = np.asarray([p[0] for p in points], np.float64)
+  y = np.asarray([np.nan if p[1] is None else p[1] for p in points], np.float64)
+  return x, y
+
+
+def plot_panels(
+  records: Sequence[Mapping[str, Any]],
+  png_path: str,
+  panels: Sequence[Panel],
+  *,
+  title: str = "",
+  columns: int = 2,
+):
+  """Draws the panels against the iteration on a grid and writes the PNG (matplotlib, Agg).
+
+  The PNG is written to a temporary file and renamed into place, so a run killed while it
+  draws leaves the previous figure whole. No axis uses an offset (`+1.089e2`): tick labels
+  are the values.
 
   Args:
     records: metrics records (e.g. `read_metrics`), each with "iteration".
     png_path: the output file (its directory is created).
-    keys: the metrics to plot, top to bottom; keys in no record are skipped (an empty figure
-      with a note if none is left). None values (NaN in the log) are gaps.
-    title: the figure's title.
+    panels: the subplots, row by row; panels with no key in any record are left out (a figure
+      with a note if none is left).
+    title: the figure's title, above the panels.
+    columns: panels per row (fewer if there are fewer panels).
+
+  Returns:
+    The matplotlib `Figure` (its axes in panel order; each axis's title is its panel's).
   """
   # The Figure API with an Agg canvas: no display and no global pyplot state.
+  import matplotlib  # pylint: disable=g-import-not-at-top
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  from matplotlib.ticker import MaxNLocator  # pylint: disable=g-import-not-at-top
 
-  present = [key for key in keys if any(key in record for record in records)]
-  fig = Figure(figsize=(7.0, 0.6 + 2.2 * max(len(present), 1)))
-  FigureCanvasAgg(fig)
-  if present:
-    axes = fig.subplots(len(present), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, key in zip(axes, present):
-      points = [(r["iteration"], r[key]) for r in records if key in r]
-      x = np.asarray([p[0] for p in points], np.float64)
-      y = np.asarray([np.nan if p[1] is None else p[1] for p in points], np.float64)
-      ax.plot(x, y, marker="." if len(points) <= 50 else None, linewidth=1.2)
-      ax.set_ylabel(key)
-      ax.grid(True, alpha=0.3)
-    axes[-1].set_xlabel("iteration")
-  else:
-    fig.text(0.5, 0.5, f"no records hold any of {list(keys)}", ha="center", va="center")
-  if title:
-    fig.suptitle(title)
-  fig.tight_layout()
-  directory = os.path.dirname(png_path)
-  if directory:
-    os.makedirs(directory, exist_ok=True)
-  fig.savefig(png_path, format="png", dpi=100)
+  present = [p for p in panels if any(key in r for r in records for key in p.keys)]
+  columns = max(1, min(columns, len(present)))
+  rows = max(1, -(-len(present) // columns))
+  with matplotlib.rc_context({"axes.formatter.useoffset": False}):
+    width = 6.0 * columns if columns <= 2 else 5.0 * columns
+    fig = Figure(figsize=(width, 0.5 + 3.5 * rows), layout="constrained")
+    FigureCanvasAgg(fig)
+    if present:
+      axes = fig.subplots(rows, columns, sharex=True, squeeze=False).ravel()
+      for ax, panel in zip(axes, present):
+        _draw(ax, panel, records)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.tick_params(labelbottom=True)  # every panel its own iteration ticks
+      for ax in axes[len(present) :]:
+        ax.set_visible(False)
+    else:
+      names = [key for p in panels for key in p.keys]
+      fig.text(0.5, 0.5, f"no records hold any of {names}", ha="center", va="center")
+    if title:
+      fig.suptitle(title)
+    directory = os.path.dirname(png_path)
+    if directory:
+      os.makedirs(directory, exist_ok=True)
+    tmp = f"{png_path}.tmp"  # one writer per workdir (process 0, under the workdir's lock)
+    try:
+      with open(tmp, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
+      os.replace(tmp, png_path)
+    except BaseException:
+      if os.path.exists(tmp):
+        os.remove(tmp)
+      raise
+  return fig
+
+
+def _draw(ax, panel: Panel, records: Sequence[Mapping[str, Any]]) -> None:
+  """One panel's lines, chance line, axes and legend."""
+  labelled = 0
+  for key in panel.keys:
+    x, y = _series(records, key)
+    if not len(x):
+      continue
+    sparse = len(x) <= 50 or len(x) < 0.5 * len(records)
+    if panel.smooth > 0:
+      (raw,) = ax.plot(x, y, ".", markersize=4, alpha=0.4, label=f"{key}, each iteration")
+      ax.plot(
+        x,
+        trailing_mean(y, panel.smooth),
+        color=raw.get_color(),
+        linewidth=1.6,
+        label=f"{key} ({panel.smooth}-iteration mean)",
+      )
+    else:
+      ax.plot(x, y, marker="." if sparse else None, linewidth=1.2, label=key)
+    labelled += 1
+  if panel.chance is not None:
+    ax.axhline(panel.chance, color="gray", linestyle=":", linewidth=1.2, label=panel.chance_label)
+    labelled += 1
+  ax.set_title(panel.title)
+  ax.set_xlabel("iteration")
+  if panel.log_y:
+    ax.set_yscale("log")
+  if panel.unit_range:
+    ax.set_ylim(-0.03, 1.03)
+  ax.grid(True, alpha=0.3)
+  if labelled > 1 or panel.smooth > 0:
+    ax.legend(fontsize="small", loc="best")
 
 
 def _cell(value: Any) -> tuple[str, bool]:

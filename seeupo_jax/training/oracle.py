@@ -130,15 +130,16 @@ def run_oracle(
   ]
 
 
-def summarize(episodes: Sequence[OracleEpisode], max_turns: int) -> dict[str, float]:
+def summarize(episodes: Sequence[OracleEpisode], max_turns: int) -> dict[str, float | int]:
+  """The split's report: counts ("tasks", "turns_max") as ints, the rest floats."""
   seconds = np.asarray([e.seconds for e in episodes]) * 1e3
   turns = np.asarray([e.turns for e in episodes])
   return {
-    "tasks": float(len(episodes)),
+    "tasks": len(episodes),
     "success": float(np.mean([e.success for e in episodes])),
     "reward": float(np.mean([e.reward for e in episodes])),
     "turns_mean": float(turns.mean()),
-    "turns_max": float(turns.max()),
+    "turns_max": int(turns.max()),
     "within_max_turns": float(np.mean(turns <= max_turns)),
     "episode_ms_median": float(np.median(seconds)),
     "episode_ms_p99": float(np.percentile(seconds, 99)),

@@ -70,18 +70,79 @@ POLICIES = config_lib.POLICIES
 # Config keys that may change when a workdir is resumed or evaluated.
 ALLOWED_TO_DIFFER = checkpoints.DEFAULT_ALLOWED_TO_DIFFER + ("eval_only", "policy")
 
-CURVE_KEYS = (
-  "reward",
-  "success",
-  "eval/avg@{k}",
-  "eval/pass@{k}",
-  "turns",
-  "length",
-  "loss",
-  "grad_norm",
-  "sample_logp_gap_max",
-  "time/iteration",
+CURVES_FILE = "curves.png"
+DIAGNOSTICS_FILE = "diagnostics.png"
+SMOOTH = 10
+"""The trailing mean (in iterations) drawn over the raw training points of `curves.png`."""
+
+
+def curve_panels(k: int, chance: Optional[float]) -> tuple[metrics_log.Panel, ...]:
+  """`curves.png`: the learning curves, with the environment's chance level where it has one.
+
+  Args:
+    k: the samples per task of the evaluation (1 with eval.greedy).
+    chance: the environment's `EnvSpec.chance` (a success rate), or None.
+  """
+  pass_chance = None if chance is None else 1.0 - (1.0 - chance) ** k
+  return (
+    metrics_log.Panel("train reward", ("reward",), smooth=SMOOTH),
+    metrics_log.Panel(
+      "train success",
+      ("success",),
+      smooth=SMOOTH,
+      chance=chance,
+      chance_label=_chance_label(chance),
+      unit_range=True,
+    ),
+    metrics_log.Panel(
+      f"held-out avg@{k} (success of all samples)",
+      (f"eval/avg@{k}",),
+      chance=chance,
+      chance_label=_chance_label(chance),
+      unit_range=True,
+    ),
+    metrics_log.Panel(
+      f"held-out pass@{k} (tasks solved in {k} samples)",
+      (f"eval/pass@{k}",),
+      chance=pass_chance,
+      chance_label=_chance_label(pass_chance, k),
+      unit_range=True,
+    ),
+  )
+
+
+def _chance_label(chance: Optional[float], k: int = 1) -> str:
+  if chance is None:
+    return ""
+  return f"chance ({chance:.3g})" if k == 1 else f"chance in {k} samples ({chance:.3g})"
+
+
+DIAGNOSTIC_PANELS = (
+  metrics_log.Panel("trajectory length (tokens)", ("length",)),
+  metrics_log.Panel("turns per trajectory", ("turns",)),
+  metrics_log.Panel("tokens per reply", ("reply_tokens",)),
+  metrics_log.Panel("loss", ("loss",)),
+  metrics_log.Panel("gradient norm (before clipping)", ("grad_norm",)),
+  metrics_log.Panel(
+    "|sampler - learner| log-prob", ("sample_logp_gap_mean", "sample_logp_gap_max")
+  ),
+  metrics_log.Panel(
+    "how trajectories ended (share)",
+    ("finish/done", "finish/max_turns", "finish/context", "finish/env_error"),
+    unit_range=True,
+  ),
+  metrics_log.Panel(
+    "seconds (log scale)",
+    ("time/iteration", "time/rollout", "time/update", "time/eval"),
+    log_y=True,
+  ),
+  metrics_log.Panel(
+    "waiting for environments (share of the time)",
+    ("time/env_wait_share",),
+    unit_range=True,
+  ),
 )
+"""`diagnostics.png`: what explains the curves (lengths, turns, the learner, the times)."""
 
 
 ConfigError = config_lib.ConfigError
@@ -333,14 +394,26 @@ def _check_row_blocks(mesh: jax.sharding.Mesh, rows: int, processes) -> None:
 
 
 def _scalars(metrics: dict, prefix: str = "") -> dict[str, float]:
-  """Flattens learner metrics: scalars as they are, per-turn arrays as <name>/t<k>."""
+  """Flattens learner metrics: scalars as they are, per-turn arrays as <name>/t<k>.
+
+  Per-turn values exist only for the turns some trajectory reached (`turn/trajectories` > 0):
+  the learner's arrays hold placeholders for the others (0, or +-inf for M_min and M_max), which
+  are left out, as are the M statistics when no turn was updated (`turns_updated` 0).
+  """
+  present = metrics.get("turn/trajectories")
+  present = None if present is None else np.asarray(present) > 0
+  none_updated = "turns_updated" in metrics and float(np.asarray(metrics["turns_updated"])) == 0
   out = {}
   for name, value in metrics.items():
     value = np.asarray(value)
     if value.ndim == 0:
+      if none_updated and name in learner.metrics.CORRECTION:
+        continue
       out[prefix + name] = float(value)
     elif value.ndim == 1:
       for k, v in enumerate(value):
+        if present is not None and not present[k]:
+          continue
         out[f"{prefix}{name}/t{k}"] = float(v)
   return out
 
@@ -469,12 +542,12 @@ def check_oracle(config: TrainConfig, workdir: str) -> dict:
     raise ConfigError("policy='oracle' plays no model: run it as one process")
   r = config.rollout
   worker_config = r.rollout_config().worker_config(spec.isolation)
-  workdir_lib.prepare(workdir)
-  env_workers = rollout.make_workers(spec, worker_config)
-  try:
-    report = oracle.check(spec, r.max_turns, r.env_workers, workdir, env_workers)
-  finally:
-    env_workers.shutdown()
+  with workdir_lib.prepared(workdir):
+    env_workers = rollout.make_workers(spec, worker_config)
+    try:
+      report = oracle.check(spec, r.max_turns, r.env_workers, workdir, env_workers)
+    finally:
+      env_workers.shutdown()
   rows = [{"split": split, **values} for split, values in report.items()]
   _print(metrics_log.format_table(rows, list(rows[0])))
   _print(f"the oracle solved every task; report in {os.path.join(workdir, 'oracle.json')}")
@@ -523,12 +596,15 @@ def evaluate_only(
   beside the workdir's trainer.
   """
   config = config_lib.typed(config)
-  workdir_lib.prepare(workdir)
-  program = build(config)
+  with workdir_lib.prepared(workdir):
+    program = build(config)
   try:
-    return _evaluate_only(config, workdir, program, defaults)
+    scores = _evaluate_only(config, workdir, program, defaults)
   finally:
     program.close()
+  if program.processes.is_main:
+    _print(outputs(workdir))
+  return scores
 
 
 def _evaluate_only(config, workdir: str, program: Program, defaults=None) -> dict[str, float]:
@@ -565,14 +641,16 @@ def train(
   evaluation.
   """
   config = config_lib.typed(config)
-  workdir_lib.prepare(workdir)
   held = workdir_lib.lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
-  with held:
+  with workdir_lib.prepared(workdir), held:  # a run refused at start-up leaves no empty workdir
     program = build(config)
     try:
-      return _train(config, workdir, program, defaults)
+      last = _train(config, workdir, program, defaults)
     finally:
       program.close()
+  if program.processes.is_main:
+    _print(outputs(workdir))
+  return last
 
 
 def _train(config, workdir: str, program: Program, defaults=None) -> dict[str, float]:
@@ -660,10 +738,13 @@ def _train(config, workdir: str, program: Program, defaults=None) -> dict[str, f
         metrics["time/update"] = t2 - t1
         metrics["time/iteration"] = t2 - t0
         metrics["time/env_wait_share"] = result.metrics["rollout/env_wait_time"] / (t2 - t0)
-        if _due(iteration, config.eval.every, config.num_iterations):
+        evaluated = _due(iteration, config.eval.every, config.num_iterations)
+        if evaluated:
           metrics.update(_evaluate(program, state, eval_ids, config, iteration, k))
         if log is not None:
           log.write(iteration, metrics)
+          if evaluated and config.log.plot:  # the figures so far, at every evaluation
+            plot(config, workdir, program.spec)
         _log_trajectories(workdir, iteration, result.trajectories, program, config.log.trajectories)
         last = metrics
         if bar is not None:
@@ -682,7 +763,8 @@ def _train(config, workdir: str, program: Program, defaults=None) -> dict[str, f
     if log is not None:
       log.close()
     checkpointer.close()
-  _finish(config, workdir, program, state, k)
+  if config.save_hf:
+    _save_hf(workdir, program, state)
   return last
 
 
@@ -761,22 +843,43 @@ def _log_trajectories(workdir, iteration, trajectories, program, count: int) -> 
       f.write(json.dumps(record) + "\n")
 
 
-def _finish(config, workdir: str, program: Program, state, k: int) -> None:
-  """The PNG of the curves and, with save_hf, the HF export of the final policy."""
-  main = program.processes.is_main
-  if main and config.log.plot:
-    records = metrics_log.read_metrics(os.path.join(workdir, "metrics.jsonl"))
-    if records:
-      keys = [key.format(k=1 if config.eval.greedy else k) for key in CURVE_KEYS]
-      metrics_log.plot_curves(
-        records, os.path.join(workdir, "curves.png"), keys=keys, title=config.env.name
-      )
-  if config.save_hf:
-    params = state.params
-    if program.processes.count > 1:  # every process takes part; process 0 writes
-      params = distributed.fetch(params)
-    if main:
-      out = os.path.join(workdir, "hf_policy")
-      hf_checkpoint.save(params, program.model_config, out)
-      program.tokenizer.save_pretrained(out)
-      logging.info("saved the final policy as a HF checkpoint in %s", out)
+def plot(config: TrainConfig, workdir: str, spec: envs.EnvSpec) -> dict[str, Any]:
+  """Writes `curves.png` (the learning curves) and `diagnostics.png` (the rest) from the
+  workdir's metrics.jsonl; returns {file name: matplotlib Figure}."""
+  records = metrics_log.read_metrics(os.path.join(workdir, metrics_log.METRICS_FILE))
+  k = 1 if config.eval.greedy else config.eval.k
+  title = f"{config.env.name}, {config.learner.algorithm}: {workdir}"
+  return {
+    CURVES_FILE: metrics_log.plot_panels(
+      records, os.path.join(workdir, CURVES_FILE), curve_panels(k, spec.chance), title=title
+    ),
+    DIAGNOSTICS_FILE: metrics_log.plot_panels(
+      records, os.path.join(workdir, DIAGNOSTICS_FILE), DIAGNOSTIC_PANELS, title=title, columns=3
+    ),
+  }
+
+
+def outputs(workdir: str) -> str:
+  """The short block printed when a run ends: where its outputs are, and what they are."""
+  names = sorted(os.listdir(workdir)) if os.path.isdir(workdir) else []
+  shown = [n + "/" if os.path.isdir(os.path.join(workdir, n)) else n for n in names]
+  lines = [f"outputs in {workdir}:", "  " + "  ".join(n for n in shown if not n.startswith("."))]
+  hints = {
+    CURVES_FILE: "the learning curves",
+    metrics_log.METRICS_FILE: "one JSON line per iteration",
+    metrics_log.TENSORBOARD_DIR + "/": f"tensorboard --logdir {workdir}/tensorboard",
+  }
+  lines += [f"  {name}: {hint}" for name, hint in hints.items() if name in shown]
+  return "\n".join(lines)
+
+
+def _save_hf(workdir: str, program: Program, state) -> None:
+  """The HF export of the final policy (`save_hf=True`): `<workdir>/hf_policy`."""
+  params = state.params
+  if program.processes.count > 1:  # every process takes part; process 0 writes
+    params = distributed.fetch(params)
+  if program.processes.is_main:
+    out = os.path.join(workdir, "hf_policy")
+    hf_checkpoint.save(params, program.model_config, out)
+    program.tokenizer.save_pretrained(out)
+    logging.info("saved the final policy as a HF checkpoint in %s", out)
