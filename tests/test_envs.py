@@ -118,6 +118,22 @@ def test_decoy_appears_and_can_be_turned_off():
   assert "noise" not in reset.messages[-1]["content"]
 
 
+@pytest.mark.parametrize("decoys", [False, True])
+def test_bare_digits_show_the_clue_last_and_reading_it_opens_the_lock(decoys):
+  config = {"num_dials": 3, "decoys": decoys, "labels": False, "partial_credit": 0.0}
+  spec = envs.make_spec("synthetic", config)
+  env = spec.make()
+  for task_id in spec.task_ids("train")[:30]:
+    lock = synthetic.draw_lock(synthetic.SyntheticConfig(**config), task_id)
+    obs = env.reset(task_id).messages[-1]["content"]
+    for t in range(3):
+      expected = f"{lock.noises[t]} {lock.clues[t]}" if decoys else lock.clues[t]
+      assert obs == expected  # no words, no dial number: the clue is the last character
+      step = env.step("go" if obs[-1] in synthetic.LEFT_CLUES else "stop")
+      obs = step.observation[0]["content"] if not step.done else None
+    assert env.score().success
+
+
 def test_score_of_an_unfinished_episode_is_zero():
   env = envs.make_spec("synthetic", {"partial_credit": 0.0}).make()
   env.reset("train/1")

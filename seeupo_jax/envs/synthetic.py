@@ -56,6 +56,9 @@ class SyntheticConfig:
   decoys: whether each observation also shows a noise digit (before the clue).
   shuffle_decoys: put the noise digit after the clue in half of the observations (harder:
     the clue is no longer at a fixed distance from the reply).
+  labels: name the dial and the digits ("Dial 2: noise 7, clue 3."); False shows the bare
+    digits ("7 3": the clue last, unless shuffle_decoys), a shorter context in which the only
+    digits are the noises and clues.
   instructions: open with a system message stating the rules (for a pretrained model;
     a model trained from scratch cannot read them, and they triple the prompt's length).
   num_train_tasks, num_eval_tasks: sizes of the splits.
@@ -67,6 +70,7 @@ class SyntheticConfig:
   instructions: bool = fields.field(fields.BOOL, True)
   partial_credit: float = fields.field(fields.number_in(0, 1), 0.5)
   shuffle_decoys: bool = fields.field(fields.BOOL, False)
+  labels: bool = fields.field(fields.BOOL, True)
   num_train_tasks: int = fields.field(fields.int_at_least(1), 100_000)
   num_eval_tasks: int = fields.field(fields.int_at_least(1), 128)
   seed: int = fields.field(fields.INT, 0)
@@ -133,11 +137,15 @@ class SyntheticEnv:
 
   def _dial_message(self, t: int) -> base.Message:
     lock = self._lock
-    parts = [f"noise {lock.noises[t]}", f"clue {lock.clues[t]}"]
+    labels = self.config.labels
+    parts = [f"noise {lock.noises[t]}" if labels else lock.noises[t]]
+    parts.append(f"clue {lock.clues[t]}" if labels else lock.clues[t])
     if not self.config.decoys:
       parts = parts[1:]
     elif not lock.noise_first[t] and self.config.shuffle_decoys:
       parts.reverse()
+    if not labels:
+      return {"role": "user", "content": " ".join(parts)}
     return {"role": "user", "content": f"Dial {t + 1}: " + ", ".join(parts) + "."}
 
   def reset(self, task_id: str) -> base.Reset:
