@@ -15,7 +15,6 @@ absent turns, padding rows), never from the code under test.
 """
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -171,7 +170,7 @@ def cached_update(logprob_fn, optimizer, config):
 
 
 # ----------------------------------------------------------------------------------------------
-# 1. The turn loop is a lax.scan: program size and compile time do not grow with num_turns.
+# 1. The turn loop is a lax.scan: the program (lowered and compiled) does not grow with num_turns.
 
 
 @pytest.mark.fresh_compiles
@@ -192,18 +191,14 @@ def test_compile_does_not_grow_with_num_turns():
     state = learner.init_state(copy_tree(params), ADAMW, ref_params=params)
     return jax.jit(step).lower(state, batch, jax.random.key(0))
 
-  def compile_seconds(lowered):
-    start = time.perf_counter()
-    lowered.compile()
-    return time.perf_counter() - start
-
   lowered = {t: lower(t) for t in (2, 16)}
   size = {t: len(lowered[t].as_text()) for t in (2, 16)}
   assert size[16] / size[2] < 1.2, size
-  seconds = {t: compile_seconds(lowered[t]) for t in (2, 16)}
-  if seconds[16] / seconds[2] >= 2.0:  # noisy machine: the min of two fresh compiles each
-    seconds = {t: min(seconds[t], compile_seconds(lower(t))) for t in (2, 16)}
-  assert seconds[16] / seconds[2] < 2.0, seconds
+  # XLA keeps the loop (no unrolling): the optimized programs are as large, with as many
+  # loops. (Compile seconds by T: benchmarks/bench_learner_memory.py --turns.)
+  compiled = {t: lowered[t].compile().as_text() for t in (2, 16)}
+  assert len(compiled[16]) / len(compiled[2]) < 1.2, {t: len(c) for t, c in compiled.items()}
+  assert compiled[16].count(" while(") == compiled[2].count(" while(") > 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -46,6 +46,8 @@ class ScriptedEnv:
   lock = threading.Lock()
   open_now = 0  # instances between reset and close
   most_open = 0
+  stepping_now = 0  # steps running
+  most_stepping = 0
 
   def __init__(self, delay=0.0):
     self.delay = delay
@@ -62,8 +64,12 @@ class ScriptedEnv:
     return base.Reset([{"role": "user", "content": f"task {task_id}"}])
 
   def step(self, text):
+    with self.lock:
+      ScriptedEnv.stepping_now += 1
+      ScriptedEnv.most_stepping = max(ScriptedEnv.most_stepping, ScriptedEnv.stepping_now)
     time.sleep(self.delay)
     with self.lock:
+      ScriptedEnv.stepping_now -= 1
       ScriptedEnv.calls.append(text)
     self.replies.append(text)
     if self.fail == "step":
@@ -287,13 +293,15 @@ def test_more_episodes_than_decode_slots(params, chat, tok):
 
 def test_environments_run_in_parallel_and_wait_share_is_measured(params, chat, tok):
   roller = _roller(chat, tok, max_turns=2, max_new=2, delay=0.2, env_workers=16)
-  roller.run(params, ["2/1/"], 16, jax.random.key(9))  # compile
+  ScriptedEnv.most_stepping = 0
   start = time.perf_counter()
   result = roller.run(params, ["2/1/"], 16, jax.random.key(9))
   wall = time.perf_counter() - start
   roller.close()
-  # 16 environments x 2 steps x 0.2 s: 6.4 s in sequence, ~0.4 s in parallel.
-  assert wall < 3.0
+  # 16 environments whose steps take 0.2 s each: the steps handed off together run at the same
+  # time (one env worker would run them one at a time). The host waits for at least each
+  # episode's 2 steps (0.4 s).
+  assert ScriptedEnv.most_stepping >= 8, ScriptedEnv.most_stepping
   assert 0.35 < result.metrics["rollout/env_wait_time"] < wall
   assert 0 < result.metrics["rollout/env_wait_share"] < 1
   # Sampling, env wait and host time are disjoint parts of the call (the env wait inside the

@@ -1,6 +1,7 @@
 """The rollout engine: continuous scheduling, the turns barrier, determinism whatever the timing,
 cache memory, and text policies."""
 
+import itertools
 import random
 import re
 import threading
@@ -37,12 +38,15 @@ def params():
 class TimedEnv:
   """Task "<turns>/<obs words>": done after <turns> replies, observations of <obs words> words.
 
-  Each step sleeps `delay(task_id, turn)` seconds and logs (task, turn, start, end); the
-  observation echoes the reply's length so that the next turn depends on what was sampled.
+  Each step may sleep (`jitter`) and logs (task, turn, start, end), where start and end are
+  the step's places in the order of all steps' starts and ends (an event counter, not a
+  clock); the observation echoes the reply's length so that the next turn depends on what was
+  sampled.
   """
 
   log = []
   lock = threading.Lock()
+  events = itertools.count()  # the order of the steps' starts and ends
   jitter = None  # None: no sleep; else a random.Random drawing the sleeps
 
   def reset(self, task_id):
@@ -51,14 +55,15 @@ class TimedEnv:
     return base.Reset([{"role": "user", "content": f"task {task_id}"}])
 
   def step(self, text):
-    start = time.perf_counter()
+    with TimedEnv.lock:
+      start = next(TimedEnv.events)
     if TimedEnv.jitter is not None:
       with TimedEnv.lock:
         pause = TimedEnv.jitter.expovariate(1 / 0.004)
       time.sleep(pause)
     self.replies.append(text)
     with TimedEnv.lock:
-      TimedEnv.log.append((self.task_id, len(self.replies), start, time.perf_counter()))
+      TimedEnv.log.append((self.task_id, len(self.replies), start, next(TimedEnv.events)))
     done = len(self.replies) >= self.turns
     words = " ".join(["word"] * self.words)
     obs = [] if done else [{"role": "tool", "content": f"{len(text)} {words}"}]
@@ -72,12 +77,32 @@ class TimedEnv:
 
 
 class SlowTaskEnv(TimedEnv):
-  """Tasks whose id ends with "/slow" sleep 0.4 s per step; the others 0."""
+  """Tasks whose id ends with "/slow" sleep 0.4 s per step; the others do not.
+
+  With `fast_finished` set to an unset threading.Event and `fast_left` to the number of the
+  other tasks, the slow task's first step first waits for the event (recording in
+  `waited_for_fast` whether it came within `WAIT_S`), and the other tasks' last steps set it
+  once all of them have ended.
+  """
+
+  WAIT_S = 120.0  # only ends a wait for an event that never comes
+  fast_finished = None
+  fast_left = 0
+  waited_for_fast = None
 
   def step(self, text):
-    if self.task_id.endswith("/slow"):
+    slow = self.task_id.endswith("/slow")
+    if slow and not self.replies and SlowTaskEnv.fast_finished is not None:
+      SlowTaskEnv.waited_for_fast = SlowTaskEnv.fast_finished.wait(SlowTaskEnv.WAIT_S)
+    if slow:
       time.sleep(0.4)
-    return super().step(text)
+    result = super().step(text)
+    if not slow and result.done and SlowTaskEnv.fast_finished is not None:
+      with TimedEnv.lock:
+        SlowTaskEnv.fast_left -= 1
+        if SlowTaskEnv.fast_left == 0:
+          SlowTaskEnv.fast_finished.set()
+    return result
 
 
 def _roller(chat, tok, env=TimedEnv, *, max_new=6, max_turns=4, **kw):
@@ -138,26 +163,35 @@ def test_trajectories_do_not_depend_on_timing_slots_or_scheduler(params, chat, t
 def test_the_turns_barrier_and_the_continuous_schedule(params, chat, tok):
   """With one slow environment: turn by turn, no episode's step of turn t + 1 starts before
   every step of turn t has ended; continuously, the fast episodes finish all their turns while
-  the slow one is still in its first step."""
+  the slow one is still in its first step (which waits for them: turn by turn, it would wait
+  in vain)."""
   tasks = ["3/0/slow", "3/0", "3/0", "3/0"]
   for scheduler in rollout.SCHEDULERS:
     roller = _roller(chat, tok, SlowTaskEnv, max_turns=3, scheduler=scheduler, decode_slots=8)
-    roller.run(params, tasks[1:], 1, jax.random.key(1))  # compile
     TimedEnv.log = []
-    result = roller.run(params, tasks, 1, jax.random.key(2))
-    roller.close()
-    assert all(t.num_turns == 3 for t in result.trajectories[1:])
+    if scheduler == "continuous":
+      SlowTaskEnv.fast_finished, SlowTaskEnv.fast_left = threading.Event(), len(tasks) - 1
+      SlowTaskEnv.waited_for_fast = None
+    try:
+      result = roller.run(params, tasks, 1, jax.random.key(2))
+    finally:
+      SlowTaskEnv.fast_finished = None
+      roller.close()
+    assert all(t.num_turns == 3 for t in result.trajectories)
     log = TimedEnv.log
+    assert len(log) == 4 * 3
     if scheduler == "turns":
       for turn in (1, 2):
         ends = max(end for _, k, _, end in log if k == turn)
         starts = min(start for _, k, start, _ in log if k == turn + 1)
-        assert ends <= starts
+        assert ends < starts
     else:
+      assert SlowTaskEnv.waited_for_fast is True
       slow_first_end = min(end for task, k, _, end in log if task.endswith("/slow"))
       fast_last_end = max(end for task, k, _, end in log if not task.endswith("/slow"))
       assert fast_last_end < slow_first_end
-      # The slow environment is the critical path: the host mostly waits on it (1.2 s of sleeps).
+      # The slow environment is the critical path: after the fast episodes the host only waits
+      # on it (1.2 s of sleeps).
       assert result.metrics["rollout/env_wait_time"] > 0.8
 
 
