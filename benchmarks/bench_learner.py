@@ -136,6 +136,9 @@ def main():
   parser.add_argument(
     "--extra-buckets", default="", help="comma-separated turn_buckets of extra SeeUPO variants"
   )
+  parser.add_argument(
+    "--turn-buckets", type=int, default=0, help="SeeUPO's turn_buckets (0: LearnerConfig's)"
+  )
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--dtype", default="float32", choices=config_lib.DTYPES)
   parser.add_argument("--remat", default="dots", choices=config_lib.REMAT_POLICIES)
@@ -181,12 +184,14 @@ def main():
     "dtype": args.dtype,
     "batch": [args.batch, args.seq],
     "profile": args.profile,
+    "turn_buckets": args.turn_buckets or learner.LearnerConfig().turn_buckets,
     "turns": {},
   }
   extra = [int(k) for k in args.extra_buckets.split(",") if k]
-  variants = {"seeupo": None}  # name -> turn_buckets (None: the default)
+  buckets = args.turn_buckets or None
+  variants = {"seeupo": buckets}  # name -> turn_buckets (None: the default)
   if args.profile == "uniform":
-    variants["seeupo_separate"] = None
+    variants["seeupo_separate"] = buckets
   variants.update({f"seeupo_k{k}": k for k in extra})
   variants["gspo"] = None
   turn_counts = [int(t) for t in args.turns.split(",")]

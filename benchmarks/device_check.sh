@@ -12,10 +12,10 @@
 # 4. The transformers parity tests on the GPU (float32 logits within 1e-4 of torch's, greedy
 #    generation token for token), which also catch TF32 matmuls sneaking into float32.
 #
-# On a CPU, `PRESET=qwen3-tiny SEQ=64 BATCH=2 NEW=8 BLOCKS=256 ROUNDS=1 SKIP_TESTS=1 bash
-# benchmarks/device_check.sh` runs the benchmark steps small (tests/test_benchmarks.py does so),
-# so the script keeps working without a GPU; TEST_PLATFORM=cpu instead of SKIP_TESTS=1 runs the
-# tests on the CPU.
+# On a CPU, `PRESET=qwen3-tiny SEQ=64 BATCH=2 NEW=8 BLOCKS=256 ROUNDS=1 TURN_BUCKETS=1
+# SKIP_TESTS=1 bash benchmarks/device_check.sh` runs the benchmark steps small
+# (tests/test_benchmarks.py does so), so the script keeps working without a GPU; TEST_PLATFORM=cpu
+# instead of SKIP_TESTS=1 runs the tests on the CPU.
 set -uo pipefail
 OUT=${OUT:-/tmp/device_check}
 PY=${PY:-python3}
@@ -25,6 +25,7 @@ BATCH=${BATCH:-8}
 NEW=${NEW:-128}
 BLOCKS=${BLOCKS:-256 512}  # attention block sizes of the MFU step
 ROUNDS=${ROUNDS:-3}
+TURN_BUCKETS=${TURN_BUCKETS:-0}  # SeeUPO's turn_buckets in the learner step (0: the learner's)
 LIMIT_SCALE=${LIMIT_SCALE:-1}  # multiplies every step's time limit (a loaded CPU compiles slowly)
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -48,7 +49,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log, remember a failure, go on
     --batch "$BATCH" --new "$NEW" --rounds "$ROUNDS" --no-torch
   step "learner update" 300 "$PY" benchmarks/bench_learner.py --preset "$PRESET" \
     --dtype bfloat16 --batch "$BATCH" --seq "$SEQ" --turns 4 --rounds 2 --attn-block 256 \
-    --peak-tflops 989
+    --turn-buckets "$TURN_BUCKETS" --peak-tflops 989
   if [ -z "${SKIP_TESTS:-}" ]; then  # tests/conftest.py defaults JAX_PLATFORMS to cpu
     step "parity tests" 240 env JAX_PLATFORMS="${TEST_PLATFORM:-cuda}" "$PY" -m pytest -q \
       -p no:cacheprovider -m parity tests/test_checkpoint.py tests/test_sampling_parity.py
