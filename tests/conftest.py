@@ -17,6 +17,10 @@ size limit turns on JAX's file lock around every read and write of the cache (an
 least recently used entries beyond it). A process a test kills with SIGKILL must not write to
 it (a torn entry): such tests turn it off for it (`JAX_ENABLE_COMPILATION_CACHE=false`) or hand
 it a cache of its own already filled.
+
+The notebooks, in a run that also collects tests/ (`pytest --nbmake tests notebooks`), run with
+SEEUPO_NOTEBOOK_QUICK=1: every cell on fewer seeds and iterations (each notebook says which), so
+the test checks that they run, not their numbers (`pytest --nbmake notebooks` runs them in full).
 """
 
 import os
@@ -25,6 +29,7 @@ import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("SEEUPO_NOTEBOOK_QUICK", "1")  # the notebooks' kernels inherit it
 
 _CACHE_VAR = "SEEUPO_TEST_COMPILATION_CACHE"
 _OWN_CACHE = None

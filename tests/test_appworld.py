@@ -959,9 +959,8 @@ def run_program(servers, tmp_path, workdir) -> subprocess.CompletedProcess:
     os.environ,
     JAX_PLATFORMS="cpu",
     XLA_FLAGS="",
-    # The evaluation sampler is the training sampler's program: read it from the cache.
-    JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    # The session's compilation cache (tests/conftest.py): the evaluation sampler is the
+    # training sampler's program, and every run of this config compiles the same programs.
   )
   return subprocess.run(
     [

@@ -846,6 +846,9 @@ TINY = (
   "--config.rollout.max_context_tokens=2048",
   "--config.rollout.max_reply_tokens=16",
   "--config.rollout.max_env_tokens=64",
+  # SeeUPO's turns on the whole batch at full length: one length program of the update to compile
+  # instead of 4 (the bucketed update equals it: tests/test_learner_turn_buckets.py).
+  "--config.learner.turn_buckets=1",
   "--config.eval.num_tasks=1",
   "--config.eval.k=2",
   "--config.log.progress_bar=False",

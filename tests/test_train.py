@@ -17,9 +17,9 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RUN = os.path.join(_ROOT, "experiments", "run.py")
 
 # A small, fast run: 2 dials, 4 tasks x 4 samples, evaluation on 4 tasks.
-# 2 dials without decoys, 8 x 8: a 10-iteration mean of 0.5 was first passed at iterations 180,
-# 90, 150 and 190 with seeds 0-3 (docs/training.md, "Learning curves"); with decoys seeds 0-2
-# had not by 200 (2026-12-01, a 2-core CPU).
+# 2 labelled dials without decoys, no KL, 8 x 8: a 10-iteration mean of 0.5 was first passed at
+# iterations 180, 90, 150 and 190 with seeds 0-3; with decoys seeds 0-2 had not by 200
+# (2026-12-01, a 2-core CPU). Why a run sits at chance first: docs/training.md, "Learning curves".
 LEARN_ITERATIONS = 300
 
 SMALL = (
@@ -66,15 +66,17 @@ def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
   )
   args += ("--config.eval.every=3",)
   whole = tmp_path / "whole"
-  # The runs share the session's compilation cache (tests/conftest.py); the run that gets killed
-  # does not use it (a kill must not leave a half-written cache entry behind).
-  proc = _run(f"--workdir={whole}", *args)
+  # The uninterrupted run fills a compilation cache of its own, which the later runs read: it
+  # holds every program of the run that gets killed, so that run only reads it (a kill cannot
+  # leave half an entry behind).
+  cache = tmp_path / "jax_cache"
+  proc = _run(f"--workdir={whole}", *args, JAX_COMPILATION_CACHE_DIR=str(cache))
   assert proc.returncode == 0, proc.stderr[-3000:]
 
   killed = tmp_path / "killed"
   child = subprocess.Popen(
     [sys.executable, _RUN, f"--workdir={killed}", *args],
-    env=_env(JAX_ENABLE_COMPILATION_CACHE="false"),
+    env=_env(JAX_COMPILATION_CACHE_DIR=str(cache)),
     cwd=_ROOT,
     stdout=subprocess.DEVNULL,
     stderr=subprocess.DEVNULL,
@@ -88,7 +90,7 @@ def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
   child.wait()
   assert not (killed / "hf_policy").exists()
 
-  proc = _run(f"--workdir={killed}", *args)
+  proc = _run(f"--workdir={killed}", *args, JAX_COMPILATION_CACHE_DIR=str(cache))
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "resuming" in proc.stdout + proc.stderr
   # The same final parameters, bit for bit, and the same per-iteration metrics, each iteration once.
@@ -159,7 +161,8 @@ def test_outputs_of_a_short_run(tmp_path):
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]  # keep=1
   lines = (tmp_path / "trajectories.jsonl").read_text().splitlines()
   first = json.loads(lines[0])
-  assert first["finish_reason"] == "done" and "Dial 1" in first["text"]
+  assert first["finish_reason"] == "done" and "Open the lock." in first["text"]
+  assert len(first["replies"]) == 2 and first["text"].count("<|im_start|>assistant") == 2
 
 
 @pytest.mark.parametrize(
@@ -214,6 +217,8 @@ def test_seeupo_learns_the_synthetic_task_well_above_chance(tmp_path):
     f"--workdir={tmp_path}",
     "--config.env.num_dials=2",
     "--config.env.decoys=False",
+    "--config.env.labels=True",  # "Dial 1: clue 3.", as calibrated (seeds 0-3 in the comment above)
+    "--config.learner.kl_coef=0",
     "--config.rollout.max_turns=2",
     "--config.rollout.tasks_per_iteration=8",
     f"--config.num_iterations={LEARN_ITERATIONS}",
