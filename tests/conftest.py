@@ -16,7 +16,8 @@ reads a compiled executable's HLO is marked `fresh_compiles`: it runs with the c
 size limit turns on JAX's file lock around every read and write of the cache (and evicts the
 least recently used entries beyond it). A process a test kills with SIGKILL must not write to
 it (a torn entry): such tests turn it off for it (`JAX_ENABLE_COMPILATION_CACHE=false`) or hand
-it a cache of its own already filled.
+it a cache of its own that an earlier run of the same programs filled, in the same directory (the
+keys of JAX's entries depend on the cache's path: a copy elsewhere is never read).
 
 The notebooks, in a run that also collects tests/ (`pytest --nbmake tests notebooks`), run with
 SEEUPO_NOTEBOOK_QUICK=1: every cell on fewer seeds and iterations (each notebook says which), so
