@@ -67,6 +67,15 @@ def _fresh_compiles(request):
     compilation_cache.reset_cache()
 
 
+def pytest_collection_modifyitems(config, items):
+  """The files that hold tests marked `slow`, then the notebooks, then the rest; each file's
+  tests together and in their order. pytest-xdist (`-n 2`) hands tests out in this order, in
+  chunks of consecutive tests: the long tests start early and the short ones fill the gaps at
+  the end, where a long test handed out last would leave the other worker idle."""
+  slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+  items.sort(key=lambda item: 0 if item.path in slow else 1 if item.path.suffix == ".ipynb" else 2)
+
+
 def pytest_unconfigure(config):
   if _OWN_CACHE is not None:
     shutil.rmtree(_OWN_CACHE, ignore_errors=True)
