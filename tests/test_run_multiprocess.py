@@ -24,7 +24,7 @@ from seeupo_jax.training import metrics_log
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RUN = os.path.join(_ROOT, "experiments", "run.py")
 
-ITERATIONS = 3
+ITERATIONS = 2  # a kill after the first checkpoint leaves the second iteration to the rerun
 SMALL = (
   "--config.env.num_dials=2",
   "--config.rollout.max_turns=2",
@@ -176,7 +176,7 @@ def test_two_processes_play_and_learn_as_one_process_of_four_devices(two_process
   assert len(_trajectories(one)) == 2 * ITERATIONS
   assert _trajectories(two) == _trajectories(one)
 
-  # The same params after 3 updates.
+  # The same params after the last update.
   expected = _final_params(one)
   for name, value in _final_params(two).items():
     np.testing.assert_allclose(value, expected[name], err_msg=name, **PARAMS_TOL)
