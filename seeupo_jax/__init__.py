@@ -16,3 +16,7 @@ class _NoTorchAdvice(_logging.Filter):
 # Before any module of the package imports transformers (tokenizer.py, chat_tokens.py): the
 # filter sits on the logger that transformers' import logs to.
 _logging.getLogger("transformers").addFilter(_NoTorchAdvice())
+
+from seeupo_jax import _moved  # noqa: E402
+
+_moved.install()

@@ -1,0 +1,54 @@
+"""Old import paths of modules that moved keep resolving: `import seeupo_jax.<old>` gives the
+module at its new path (the module object itself, so both names see one set of globals).
+
+The import-path counterpart of the config's `MOVED_KEYS`: code and notebooks written against an
+older layout keep working, while the tree holds each module once, where its role puts it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+from typing import Mapping, Optional, Sequence
+
+# old dotted path -> new dotted path
+MOVED_MODULES: dict[str, str] = {}
+
+
+class _Alias(importlib.abc.Loader):
+  def __init__(self, target: str):
+    self._target = target
+    self._spec = None
+
+  def create_module(self, spec):
+    module = importlib.import_module(self._target)
+    self._spec = module.__spec__  # the import machinery overwrites it with the alias's spec
+    return module
+
+  def exec_module(self, module) -> None:
+    # The target module is already executed: give it back its own spec, nothing more.
+    module.__spec__ = self._spec
+
+
+class MovedModuleFinder(importlib.abc.MetaPathFinder):
+  """A `sys.meta_path` finder answering only for the keys of `moved` (old -> new path)."""
+
+  def __init__(self, moved: Mapping[str, str]):
+    self._moved = moved
+
+  def find_spec(
+    self, fullname: str, path: Optional[Sequence[str]], target=None
+  ) -> Optional[importlib.machinery.ModuleSpec]:
+    del path, target
+    new = self._moved.get(fullname)
+    if new is None:
+      return None
+    return importlib.machinery.ModuleSpec(fullname, _Alias(new))
+
+
+def install(moved: Mapping[str, str] = MOVED_MODULES) -> None:
+  """Adds one finder for `moved` to `sys.meta_path` (idempotent)."""
+  if not any(isinstance(f, MovedModuleFinder) for f in sys.meta_path):
+    sys.meta_path.append(MovedModuleFinder(moved))

@@ -1,0 +1,32 @@
+"""Old import paths of moved modules resolve to the module at its new path (`seeupo_jax._moved`)."""
+
+import importlib
+import sys
+
+import pytest
+
+import seeupo_jax  # noqa: F401  (installs the finder)
+from seeupo_jax import _moved
+
+
+@pytest.mark.parametrize("old,new", sorted(_moved.MOVED_MODULES.items()))
+def test_every_moved_path_imports_the_module_at_its_new_path(old, new):
+  assert importlib.import_module(old) is importlib.import_module(new)
+
+
+def test_an_alias_is_the_same_module_object_and_keeps_its_own_spec(monkeypatch):
+  monkeypatch.setitem(_moved.MOVED_MODULES, "seeupo_jax.an_old_name_of_losses", "seeupo_jax.losses")
+  monkeypatch.delitem(sys.modules, "seeupo_jax.an_old_name_of_losses", raising=False)
+  import seeupo_jax.losses as losses
+
+  old = importlib.import_module("seeupo_jax.an_old_name_of_losses")
+  assert old is losses
+  assert losses.__spec__.name == "seeupo_jax.losses"
+  from seeupo_jax.an_old_name_of_losses import token_clip_loss  # noqa: F401
+
+  sys.modules.pop("seeupo_jax.an_old_name_of_losses", None)
+
+
+def test_a_path_that_never_existed_still_fails():
+  with pytest.raises(ModuleNotFoundError):
+    importlib.import_module("seeupo_jax.no_such_module_anywhere")
