@@ -49,6 +49,11 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder):
 
 
 def install(moved: Mapping[str, str] = MOVED_MODULES) -> None:
-  """Adds one finder for `moved` to `sys.meta_path` (idempotent)."""
+  """Puts one finder for `moved` first on `sys.meta_path` (idempotent).
+
+  First, so that an old path gives the module at its new path even where a later finder still
+  sees a file at the old path: an editable install's finder maps `seeupo_jax.<name>` to the
+  checkout it was installed from, which may be another checkout holding the old layout.
+  """
   if not any(isinstance(f, MovedModuleFinder) for f in sys.meta_path):
-    sys.meta_path.append(MovedModuleFinder(moved))
+    sys.meta_path.insert(0, MovedModuleFinder(moved))

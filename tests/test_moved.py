@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-import seeupo_jax  # noqa: F401  (installs the finder)
+import seeupo_jax  # (importing it installs the finder)
 from seeupo_jax import _moved
 
 
@@ -30,3 +30,18 @@ def test_an_alias_is_the_same_module_object_and_keeps_its_own_spec(monkeypatch):
 def test_a_path_that_never_existed_still_fails():
   with pytest.raises(ModuleNotFoundError):
     importlib.import_module("seeupo_jax.no_such_module_anywhere")
+
+
+def test_an_old_path_gives_the_new_module_even_where_a_file_is_left_at_the_old_path(
+  monkeypatch, tmp_path
+):
+  # A stale copy at the old path, found by the package's path (as an editable install of another
+  # checkout finds its own files): the moved path still resolves to the module at its new path.
+  (tmp_path / "an_old_name_of_losses.py").write_text("STALE = True\n")
+  monkeypatch.setattr(seeupo_jax, "__path__", [*seeupo_jax.__path__, str(tmp_path)])
+  monkeypatch.setitem(_moved.MOVED_MODULES, "seeupo_jax.an_old_name_of_losses", "seeupo_jax.losses")
+  monkeypatch.delitem(sys.modules, "seeupo_jax.an_old_name_of_losses", raising=False)
+  import seeupo_jax.losses as losses
+
+  assert importlib.import_module("seeupo_jax.an_old_name_of_losses") is losses
+  sys.modules.pop("seeupo_jax.an_old_name_of_losses", None)
