@@ -39,8 +39,8 @@ import zlib
 
 import jax
 
-from seeupo_jax import chat_tokens, rollout, sampling
-from seeupo_jax import tokenizer as tokenizer_lib
+from seeupo_jax import rollout, sampling
+from seeupo_jax.text import chat_tokens, tokenizer as tokenizer_lib
 from seeupo_jax.envs import base
 from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.models import qwen

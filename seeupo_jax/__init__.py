@@ -13,8 +13,8 @@ class _NoTorchAdvice(_logging.Filter):
     return not str(record.msg).startswith("PyTorch was not found")
 
 
-# Before any module of the package imports transformers (tokenizer.py, chat_tokens.py): the
-# filter sits on the logger that transformers' import logs to.
+# Before any module of the package imports transformers (text/tokenizer.py, text/chat_tokens.py):
+# the filter sits on the logger that transformers' import logs to.
 _logging.getLogger("transformers").addFilter(_NoTorchAdvice())
 
 from seeupo_jax import _moved  # noqa: E402

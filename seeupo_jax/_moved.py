@@ -14,7 +14,10 @@ import sys
 from typing import Mapping, Optional, Sequence
 
 # old dotted path -> new dotted path
-MOVED_MODULES: dict[str, str] = {}
+MOVED_MODULES: dict[str, str] = {
+  "seeupo_jax.chat_tokens": "seeupo_jax.text.chat_tokens",
+  "seeupo_jax.tokenizer": "seeupo_jax.text.tokenizer",
+}
 
 
 class _Alias(importlib.abc.Loader):

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 import appworld_fake_server as fake
-from seeupo_jax import chat_tokens, envs, rollout, sampling
-from seeupo_jax import tokenizer as tokenizer_lib
+from seeupo_jax import envs, rollout, sampling
+from seeupo_jax.text import chat_tokens, tokenizer as tokenizer_lib
 from seeupo_jax.envs import appworld as aw
 from seeupo_jax.envs import appworld_client as client_lib
 from seeupo_jax.models import config as model_config_lib

@@ -2,7 +2,7 @@
 
 import pytest
 
-from seeupo_jax import chat_tokens, tokenizer as tokenizer_lib
+from seeupo_jax.text import chat_tokens, tokenizer as tokenizer_lib
 
 # A Qwen3-style template: assistant turns before the last user message lose their <think> block,
 # so a full re-render of the conversation is not what the model saw while sampling.

@@ -19,8 +19,8 @@ from typing import Any
 import jax
 import pytest
 
-from seeupo_jax import chat_tokens, distributed, envs, rollout, sampling
-from seeupo_jax import tokenizer as tokenizer_lib
+from seeupo_jax import distributed, envs, rollout, sampling
+from seeupo_jax.text import chat_tokens, tokenizer as tokenizer_lib
 from seeupo_jax.envs import appworld
 from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.training import evaluation, trainer

@@ -71,7 +71,7 @@ def test_transformers_without_torch_says_nothing_about_pytorch():
   # ... and through seeupo_jax, which takes only tokenizers and chat templates from it, not.
   ours = _python(
     _HIDE_TORCH
-    + "from seeupo_jax import chat_tokens, tokenizer\n"
+    + "from seeupo_jax.text import chat_tokens, tokenizer\n"
     + "from transformers.utils import import_utils\n"
     + "tok = tokenizer.build_default_tokenizer()\n"
     + "chat_tokens.ChatTokens(tok)\n"

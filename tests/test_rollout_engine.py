@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from seeupo_jax import chat_tokens, envs, rollout, sampling
-from seeupo_jax import tokenizer as tokenizer_lib
+from seeupo_jax import envs, rollout, sampling
+from seeupo_jax.text import chat_tokens, tokenizer as tokenizer_lib
 from seeupo_jax.envs import base
 from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.models import qwen

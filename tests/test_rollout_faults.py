@@ -12,8 +12,8 @@ import jax
 import pytest
 
 import env_scripts
-from seeupo_jax import chat_tokens, rollout, sampling
-from seeupo_jax import tokenizer as tokenizer_lib
+from seeupo_jax import rollout, sampling
+from seeupo_jax.text import chat_tokens, tokenizer as tokenizer_lib
 from seeupo_jax.envs import base
 from seeupo_jax.learner.batch import PROMPT_OR_ENV
 from seeupo_jax.models import config as model_config_lib

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 import hf_fixtures  # noqa: E402  (needs torch)
 from seeupo_jax import sampling  # noqa: E402
-from seeupo_jax import tokenizer as tokenizer_lib  # noqa: E402
+from seeupo_jax.text import tokenizer as tokenizer_lib  # noqa: E402
 from seeupo_jax.models import checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.parity

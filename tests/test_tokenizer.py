@@ -1,4 +1,4 @@
-"""Tests of seeupo_jax.tokenizer: the offline BPE tokenizer, its chat template, loading."""
+"""Tests of seeupo_jax.text.tokenizer: the offline BPE tokenizer, its chat template, loading."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import hypothesis.strategies as st
 import pytest
 import transformers
 
-from seeupo_jax import tokenizer as tokenizer_lib
+from seeupo_jax.text import tokenizer as tokenizer_lib
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_build_is_deterministic_across_processes(tok):
   assert _fingerprint(again) == _fingerprint(tok)
   # A fresh interpreter with a different hash seed (hash maps iterate differently).
   code = (
-    "import json; from seeupo_jax import tokenizer as t; tok = t.build_default_tokenizer();"
+    "import json; from seeupo_jax.text import tokenizer as t; tok = t.build_default_tokenizer();"
     "m = json.loads(tok.backend_tokenizer.to_str())['model'];"
     "print(json.dumps({'vocab': m['vocab'], 'merges': m['merges'],"
     "'added': sorted(tok.get_added_vocab().items())}, sort_keys=True))"

@@ -22,10 +22,9 @@ where too many groups fail stops with that error.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
-Message = dict[str, Any]
-"""A chat message: {"role": "system" | "user" | "assistant" | "tool", "content": str, ...}."""
+from seeupo_jax.text.messages import Message  # noqa: F401  (re-exported: `envs.base.Message`)
 
 
 @dataclasses.dataclass(frozen=True)

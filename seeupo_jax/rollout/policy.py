@@ -19,7 +19,7 @@ from typing import Callable, Optional, Protocol, Sequence
 import numpy as np
 
 from seeupo_jax import sampling
-from seeupo_jax.chat_tokens import ChatTokens
+from seeupo_jax.text.chat_tokens import ChatTokens
 from seeupo_jax.rollout.trajectory import Trajectory
 
 

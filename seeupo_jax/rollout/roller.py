@@ -88,7 +88,7 @@ import numpy as np
 from seeupo_jax import distributed
 from seeupo_jax import fields
 from seeupo_jax import sampling
-from seeupo_jax.chat_tokens import ChatTokens
+from seeupo_jax.text.chat_tokens import ChatTokens
 from seeupo_jax.envs import base as envs_base
 from seeupo_jax.learner.batch import PROMPT_OR_ENV
 from seeupo_jax.models.config import ModelConfig

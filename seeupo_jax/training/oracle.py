@@ -24,9 +24,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from seeupo_jax import chat_tokens
+from seeupo_jax.text import chat_tokens
 from seeupo_jax import sampling
-from seeupo_jax import tokenizer as tokenizer_lib
+from seeupo_jax.text import tokenizer as tokenizer_lib
 from seeupo_jax.envs import base
 from seeupo_jax.rollout import roller as roller_lib
 from seeupo_jax.rollout import workers as workers_lib

@@ -46,7 +46,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from seeupo_jax import chat_tokens
+from seeupo_jax.text import chat_tokens
 from seeupo_jax import decode_layout
 from seeupo_jax import distributed
 from seeupo_jax import envs
@@ -54,7 +54,7 @@ from seeupo_jax import learner
 from seeupo_jax import rollout
 from seeupo_jax import sampling
 from seeupo_jax import sharding as sharding_lib
-from seeupo_jax import tokenizer as tokenizer_lib
+from seeupo_jax.text import tokenizer as tokenizer_lib
 from seeupo_jax.models import checkpoint as hf_checkpoint
 from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.models import qwen

@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 import transformers
 
-from seeupo_jax.envs.base import Message
+from seeupo_jax.text.messages import Message
 
 _MARKER = "SEEUPOREPLYMARKER"
 _STAND_IN: list[Message] = [
