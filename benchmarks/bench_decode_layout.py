@@ -13,14 +13,14 @@ params:
   tensor=4,data=2  `DecodeLayout(model_config, mesh, tensor=4)`: two replicas of 4-way tensor
                 parallelism, the rows split over them
 
-and the collective ops of one decode step (one iteration of the decode `while` loop, the layer
-scan inside it counted once per layer) are read from the compiled HLO text
-(`seeupo_jax.hlo_collectives`), with their bytes per device ("call": the whole decode program;
-"prefill_call": the whole prefill program of `--prompt` / `--big-width` tokens per row). Also
-measured: the compiled memory (`compiled.memory_analysis()`), the reshard's collectives, memory
-and time, and, on the small model (prefill then decode on real arrays), that every layout
-samples the same tokens. The same compilation (shapes only,
-nothing allocated) for `--big-preset` (Qwen3-14B) feeds a time estimate for 8 H100s.
+and the collective ops of one decode step (one iteration of the decode `while` loop, the layer scan
+inside it counted once per layer) are read from the compiled HLO text
+(`seeupo_jax.devtools.hlo_collectives`), with their bytes per device ("call": the whole decode
+program; "prefill_call": the whole prefill program of `--prompt` / `--big-width` tokens per row).
+Also measured: the compiled memory (`compiled.memory_analysis()`), the reshard's collectives, memory
+and time, and, on the small model (prefill then decode on real arrays), that every layout samples
+the same tokens. The same compilation (shapes only, nothing allocated) for `--big-preset`
+(Qwen3-14B) feeds a time estimate for 8 H100s.
 
   .venv/bin/python benchmarks/bench_decode_layout.py                       # qwen3-bench 16/8 heads + Qwen3-14B
   .venv/bin/python benchmarks/bench_decode_layout.py --preset qwen3-tiny --big-preset none   # quick
@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from seeupo_jax import decode_layout  # noqa: E402
-from seeupo_jax import hlo_collectives  # noqa: E402
+from seeupo_jax.devtools import hlo_collectives  # noqa: E402
 from seeupo_jax import sampling  # noqa: E402
 from seeupo_jax import sharding  # noqa: E402
 from seeupo_jax.models import config as config_lib  # noqa: E402

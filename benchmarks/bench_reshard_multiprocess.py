@@ -47,7 +47,7 @@ def worker(args) -> None:
   sys.path.insert(0, _ROOT)
   from seeupo_jax import decode_layout  # pylint: disable=g-import-not-at-top
   from seeupo_jax import distributed
-  from seeupo_jax import hlo_collectives
+  from seeupo_jax.devtools import hlo_collectives
   from seeupo_jax import learner
   from seeupo_jax import sharding
   from seeupo_jax.models import config as config_lib

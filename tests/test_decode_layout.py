@@ -13,7 +13,7 @@ from absl.testing import absltest, parameterized
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from seeupo_jax import decode_layout
-from seeupo_jax import hlo_collectives
+from seeupo_jax.devtools import hlo_collectives
 from seeupo_jax import sampling
 from seeupo_jax import sharding
 from seeupo_jax.models import config as config_lib
