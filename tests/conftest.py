@@ -1,4 +1,6 @@
-"""Test-wide setup: 8 simulated CPU devices, one compilation cache, hypothesis profiles.
+"""Test-wide setup: 8 simulated CPU devices, one compilation cache, hypothesis profiles, and the
+fixtures many files share (`tok`, `chat`: the tiny tokenizer of `tests/tiny.py` and its
+`ChatTokens`).
 
 XLA_FLAGS must be set before jax is imported anywhere, so it is set here, at
 the top of the first module pytest imports.
@@ -65,6 +67,22 @@ def _fresh_compiles(request):
   finally:
     jax.config.update("jax_enable_compilation_cache", was_enabled)
     compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="session")
+def tok():
+  """The offline default tokenizer (512 ids), one per test process: tests only read it."""
+  import tiny  # noqa: PLC0415  (imports seeupo_jax and transformers on first use only)
+
+  return tiny.tokenizer()
+
+
+@pytest.fixture(scope="session")
+def chat(tok):
+  """`ChatTokens` of the `tok` fixture (the default chat template)."""
+  from seeupo_jax.text import chat_tokens  # noqa: PLC0415
+
+  return chat_tokens.ChatTokens(tok)
 
 
 def pytest_collection_modifyitems(config, items):

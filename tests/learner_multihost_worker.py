@@ -33,8 +33,8 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 from seeupo_jax import learner  # noqa: E402
 from seeupo_jax import sharding as sharding_lib  # noqa: E402
-from seeupo_jax.models import config as config_lib  # noqa: E402
 from seeupo_jax.models import qwen  # noqa: E402
+import tiny  # noqa: E402
 
 PARAMS_SEED = 0
 UPDATE_SEED = 1
@@ -45,7 +45,7 @@ LENGTH = 32
 
 def model_config(**overrides):
   """The tiny Qwen3 (float32); `overrides` of numerics only (e.g. remat="full")."""
-  return config_lib.get_preset("qwen3-tiny", **overrides)
+  return tiny.model_config(**overrides)
 
 
 def learner_config(**changes) -> learner.LearnerConfig:

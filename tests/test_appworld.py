@@ -26,9 +26,9 @@ from seeupo_jax import envs, rollout, sampling
 from seeupo_jax.text import chat_tokens, tokenizer as tokenizer_lib
 from seeupo_jax.envs import appworld as aw
 from seeupo_jax.envs import appworld_client as client_lib
-from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.models import qwen
 from seeupo_jax.training import config as config_lib
+import tiny
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIKE = fake.TASKS["fake_like_1"]
@@ -816,8 +816,8 @@ def test_the_config_file_holds_every_field_flat():
 
 def play_rollout(spec, task_ids, samples_per_task):
   """One `Roller.run` of a random qwen3-tiny (it never writes a code block) with 2 turns."""
-  model = model_config_lib.get_preset("qwen3-tiny")
-  tok = tokenizer_lib.build_default_tokenizer()
+  model = tiny.model_config()
+  tok = tiny.tokenizer()
   sc = sampling.SamplingConfig(
     max_new_tokens=4, stop_token_ids=tuple(tokenizer_lib.stop_token_ids(tok)), pad_id=0
   )
@@ -973,7 +973,7 @@ def run_program(servers, tmp_path, workdir) -> subprocess.CompletedProcess:
       "--config.env.retries=1",
       "--config.env.backoff_s=0.05",
       "--config.env.recheck_s=0.5",
-      "--config.model.preset=qwen3-tiny",
+      f"--config.model.preset={tiny.PRESET}",
       "--config.rollout.tasks_per_iteration=2",
       "--config.rollout.samples_per_task=2",
       "--config.rollout.max_turns=2",

@@ -21,6 +21,7 @@ import pytest
 
 from seeupo_jax import envs
 from seeupo_jax.envs import bfcl, bfcl_calls
+import tiny
 
 # The BFCL data and backends (README "Run the tests": pip install --no-deps bfcl-eval==...).
 from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils  # noqa: E402
@@ -835,7 +836,7 @@ def test_run_py_without_a_model_path_says_what_to_pass(tmp_path):
 
 
 TINY = (
-  "--config.model.preset=qwen3-tiny",
+  f"--config.model.preset={tiny.PRESET}",
   "--config.env.describe_functions=False",  # a 1.4k-token prompt instead of 7k
   "--config.env.train_tasks=multi_turn_base:29,multi_turn_base:37",
   "--config.env.eval_tasks=multi_turn_base:9",

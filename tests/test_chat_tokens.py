@@ -2,7 +2,8 @@
 
 import pytest
 
-from seeupo_jax.text import chat_tokens, tokenizer as tokenizer_lib
+from seeupo_jax.text import chat_tokens
+import tiny
 
 # A Qwen3-style template: assistant turns before the last user message lose their <think> block,
 # so a full re-render of the conversation is not what the model saw while sampling.
@@ -19,11 +20,6 @@ THINK_DROPPING_TEMPLATE = (
   "{%- endfor %}"
   "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-
-
-@pytest.fixture(scope="module")
-def tok():
-  return tokenizer_lib.build_default_tokenizer()
 
 
 def _conversation():
@@ -88,7 +84,7 @@ def test_no_generation_prompt_and_empty_observation(tok):
 
 def test_think_dropping_template_trains_on_what_the_model_saw(tok):
   """Qwen3-style: a re-render drops the earlier <think> block; our tokens keep it (as sampled)."""
-  tok = tokenizer_lib.build_default_tokenizer()
+  tok = tiny.tokenizer()
   tok.chat_template = THINK_DROPPING_TEMPLATE
   chat = chat_tokens.ChatTokens(tok)
   messages = [
@@ -108,7 +104,7 @@ def test_think_dropping_template_trains_on_what_the_model_saw(tok):
 
 
 def test_template_without_chat_template_is_refused(tok):
-  tok = tokenizer_lib.build_default_tokenizer()
+  tok = tiny.tokenizer()
   tok.chat_template = None
   with pytest.raises(ValueError, match="no chat template"):
     chat_tokens.ChatTokens(tok)

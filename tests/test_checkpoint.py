@@ -20,6 +20,7 @@ from seeupo_jax.models import checkpoint
 from seeupo_jax.models import config as config_lib
 from seeupo_jax.models import qwen
 from seeupo_jax.models import safetensors_io
+import tiny
 
 
 def _random_params(config, seed):
@@ -121,7 +122,7 @@ class SaveLoadTest(parameterized.TestCase):
     _assert_trees_equal(loaded, params)
 
   def test_bfloat16_save(self):
-    config = config_lib.get_preset("qwen3-tiny")
+    config = tiny.model_config()
     params = _random_params(config, seed=1)
     directory = _tmp_dir(self)
     checkpoint.save(params, config, directory, dtype="bfloat16")
@@ -132,7 +133,7 @@ class SaveLoadTest(parameterized.TestCase):
     _assert_trees_equal(loaded, expected)
 
   def test_load_straight_onto_a_mesh(self):
-    config = config_lib.get_preset("qwen3-tiny")
+    config = tiny.model_config()
     params = _random_params(config, seed=2)
     directory = _tmp_dir(self)
     checkpoint.save(params, config, directory, max_shard_bytes=30_000)
@@ -148,7 +149,7 @@ class SaveLoadTest(parameterized.TestCase):
     _assert_trees_equal(jax.device_get(loaded), jax.device_get(params))
 
   def test_missing_and_mismatched_tensors(self):
-    config = config_lib.get_preset("qwen3-tiny")
+    config = tiny.model_config()
     params = _random_params(config, seed=3)
     directory = _tmp_dir(self)
     checkpoint.save(params, config, directory)
@@ -159,10 +160,10 @@ class SaveLoadTest(parameterized.TestCase):
 
   def test_qwen3_attention_bias_has_o_proj_bias(self):
     """Qwen3 attention_bias=True: q/k/v AND o_proj biases (as transformers); Qwen2: q/k/v only."""
-    config = config_lib.get_preset("qwen3-tiny").replace(attention_bias=True)
+    config = tiny.model_config().replace(attention_bias=True)
     self.assertTrue(config.o_proj_bias)
     self.assertFalse(config_lib.get_preset("qwen2-tiny").o_proj_bias)
-    self.assertFalse(config_lib.get_preset("qwen3-tiny").o_proj_bias)
+    self.assertFalse(tiny.model_config().o_proj_bias)
     self.assertEqual(config_lib.ModelConfig.from_hf_dict(config.to_hf_dict()), config)
     shapes = qwen.params_shape(config)
     self.assertEqual(shapes["layers"]["attn"]["o_proj"]["bias"].shape, (2, config.hidden_size))
@@ -204,7 +205,7 @@ class SaveLoadTest(parameterized.TestCase):
       checkpoint.load(out)
 
   def test_many_unused_tensors_are_listed_and_counted(self):
-    config = config_lib.get_preset("qwen3-tiny")
+    config = tiny.model_config()
     directory = _tmp_dir(self)
     checkpoint.save(_random_params(config, seed=6), config, directory)
     extra = {f"model.extra_{i:02d}.weight": lambda t: t["model.norm.weight"] for i in range(13)}
@@ -233,7 +234,7 @@ class SaveLoadTest(parameterized.TestCase):
     _assert_trees_equal(checkpoint.load_params(out, config), params)
 
   def test_bad_save_dtype(self):
-    config = config_lib.get_preset("qwen3-tiny")
+    config = tiny.model_config()
     with self.assertRaisesRegex(ValueError, "dtype"):
       checkpoint.save({}, config, _tmp_dir(self), dtype="float16")
 

@@ -16,8 +16,8 @@ from seeupo_jax import decode_layout
 from seeupo_jax.devtools import hlo_collectives
 from seeupo_jax import sampling
 from seeupo_jax import sharding
-from seeupo_jax.models import config as config_lib
 from seeupo_jax.models import qwen
+import tiny
 
 # A loop of 3 known trips holding an all-gather and a tuple all-reduce, inside a loop with no
 # known trip count (one decode step = one iteration); one op outside both.
@@ -150,7 +150,7 @@ class HloCollectivesTest(parameterized.TestCase):
 
 
 def _tiny(dtype, **changes):
-  return config_lib.get_preset("qwen3-tiny", dtype=dtype, param_dtype="float32").replace(**changes)
+  return tiny.model_config(dtype=dtype, param_dtype="float32").replace(**changes)
 
 
 def _learner_params(config, mesh):

@@ -20,15 +20,15 @@ import jax
 import pytest
 
 from seeupo_jax import distributed, envs, rollout, sampling
-from seeupo_jax.text import chat_tokens, tokenizer as tokenizer_lib
+from seeupo_jax.text import chat_tokens
 from seeupo_jax.envs import appworld
-from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.training import evaluation, trainer
 from seeupo_jax.training.tasks import TaskStream
+import tiny
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODEL = model_config_lib.get_preset("qwen3-tiny")
+MODEL = tiny.model_config()
 TIMES = (
   "rollout/time",
   "rollout/sample_time",
@@ -70,11 +70,6 @@ def _each(processes, fn):
   """fn(process) in one thread per process; the results in process order."""
   with concurrent.futures.ThreadPoolExecutor(len(processes)) as pool:
     return [f.result(timeout=120) for f in [pool.submit(fn, p) for p in processes]]
-
-
-@pytest.fixture(scope="module")
-def tok():
-  return tokenizer_lib.build_default_tokenizer()
 
 
 def _policy(tok):

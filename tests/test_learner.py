@@ -24,8 +24,8 @@ import pytest
 
 from seeupo_jax import learner
 from seeupo_jax import sampling
-from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.models import qwen
+import tiny
 
 # ----------------------------------------------------------------------------------------------
 # Table-of-logits policies and batches.
@@ -628,7 +628,7 @@ TEMPERATURE = 0.9
 
 @pytest.fixture(scope="module")
 def tiny_qwen():
-  config = model_config_lib.get_preset("qwen3-tiny")
+  config = tiny.model_config()
   params = jax.jit(qwen.init_params, static_argnums=0)(config, jax.random.key(0))
   # Sharper than the 0.02 init, so that the samples are far from uniform.
   params = jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, params)
@@ -798,7 +798,7 @@ def test_critic_trunk_follows_the_partition_rules():
 
   from seeupo_jax import sharding
 
-  config = model_config_lib.get_preset("qwen3-tiny")
+  config = tiny.model_config()
   mesh = sharding.make_mesh(data=1, fsdp=4, tensor=2)
   shapes = jax.eval_shape(lambda: learner.init_qwen_critic(config, jax.random.key(0)))
   specs = jax.tree.map(lambda s: s.spec, sharding.param_shardings(shapes, mesh))

@@ -22,9 +22,9 @@ from seeupo_jax import learner
 from seeupo_jax import sharding
 from seeupo_jax.learner import precision
 from seeupo_jax.models import checkpoint as hf_checkpoint
-from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.models import qwen
 from seeupo_jax.training import checkpoints
+import tiny
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 LR = 1e-6
@@ -124,7 +124,7 @@ def test_rounded_away_share_by_hand():
 
 
 def _tiny_params(param_dtype="bfloat16"):
-  config = model_config_lib.get_preset("qwen3-tiny", dtype="bfloat16", param_dtype=param_dtype)
+  config = tiny.model_config(dtype="bfloat16", param_dtype=param_dtype)
   return config, jax.jit(qwen.init_params, static_argnums=0)(config, jax.random.key(0))
 
 
@@ -212,7 +212,7 @@ def five_steps():
     masters:       bf16 params + float32 masters (init_state's default), bf16 compute
     no_masters:    bf16 params, no masters (master_weights=False), bf16 compute
   """
-  base = model_config_lib.get_preset("qwen3-tiny")
+  base = tiny.model_config()
   start = qwen.init_params(base, jax.random.key(0))
   start = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), start)
   batch = _gspo_batch(base.vocab_size)

@@ -12,6 +12,7 @@ from absl.testing import parameterized
 from seeupo_jax.models import config as config_lib
 from seeupo_jax.models import layers
 from seeupo_jax.models import qwen
+import tiny
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -143,10 +144,10 @@ class ConfigTest(parameterized.TestCase):
   )
   def test_bad_values_name_the_key(self, change, key):
     with self.assertRaisesRegex(ValueError, key):
-      config_lib.get_preset("qwen3-tiny", **change)
+      tiny.model_config(**change)
 
   def test_hf_dict_rejects_unsupported(self):
-    d = config_lib.get_preset("qwen3-tiny").to_hf_dict()
+    d = tiny.model_config().to_hf_dict()
     with self.assertRaisesRegex(ValueError, "model_type"):
       config_lib.ModelConfig.from_hf_dict(dict(d, model_type="llama"))
     with self.assertRaisesRegex(ValueError, "rope_type"):
@@ -232,7 +233,7 @@ class ForwardTest(parameterized.TestCase):
 
   def test_remat_dots_does_not_recompute_attention(self):
     """remat="dots" keeps the attention's saved values: no dot is recomputed under grad."""
-    base = config_lib.get_preset("qwen3-tiny", attn_block_size=4)
+    base = tiny.model_config(attn_block_size=4)
     params = qwen.init_params(base, jax.random.key(0))
     ids = jnp.zeros((2, 9), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
@@ -267,7 +268,7 @@ class ForwardTest(parameterized.TestCase):
 
   @pytest.mark.slow
   def test_scan_unrolled_and_remat_give_same_logits_and_grads(self):
-    base = config_lib.get_preset("qwen3-tiny")
+    base = tiny.model_config()
     params = random_params(base, seed=2)
     ids = jnp.asarray(np.random.default_rng(2).integers(0, 512, (2, 9)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
@@ -333,7 +334,7 @@ class CacheTest(parameterized.TestCase):
     self.assertFalse(np.any(cache.valid[:, prompt + new :]))
 
   def test_init_cache_shapes_and_dtype(self):
-    config = config_lib.get_preset("qwen3-tiny", dtype="bfloat16")
+    config = tiny.model_config(dtype="bfloat16")
     cache = qwen.init_cache(config, 2, 7)
     self.assertEqual(cache.keys.shape, (2, 2, 2, 7, 16))  # [L, B, K, T, hd]
     self.assertEqual(cache.values.dtype, jnp.bfloat16)
@@ -401,7 +402,7 @@ class TokenLogprobsTest(parameterized.TestCase):
 
   def test_largest_logits_buffer_is_one_chunk(self):
     """Under jax.grad, no [B, S, V] float32 array appears in the jaxpr."""
-    config = config_lib.get_preset("qwen3-tiny")
+    config = tiny.model_config()
     params = qwen.init_params(config, jax.random.key(0))
     b, s, chunk = 2, 32, 8
     ids = jnp.zeros((b, s), jnp.int32)
@@ -446,7 +447,7 @@ class TokenLogprobsTest(parameterized.TestCase):
     self.assertLessEqual(long, 4 * chunk_logits_bytes + 32 * b * 128 * d)
 
   def test_bad_temperature(self):
-    config = config_lib.get_preset("qwen3-tiny")
+    config = tiny.model_config()
     ids = jnp.zeros((1, 2), jnp.int32)
     with self.assertRaisesRegex(ValueError, "temperature"):
       qwen.token_logprobs({}, ids, ids, ids, config=config, temperature=0.0)

@@ -11,23 +11,13 @@ import numpy as np
 import pytest
 
 from seeupo_jax import envs, learner, rollout, sampling
-from seeupo_jax.text import chat_tokens, tokenizer as tokenizer_lib
+from seeupo_jax.text import tokenizer as tokenizer_lib
 from seeupo_jax.envs import base
 from seeupo_jax.learner.batch import PROMPT_OR_ENV
-from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.models import qwen
+import tiny
 
-MODEL = model_config_lib.get_preset("qwen3-tiny")
-
-
-@pytest.fixture(scope="module")
-def tok():
-  return tokenizer_lib.build_default_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def chat(tok):
-  return chat_tokens.ChatTokens(tok)
+MODEL = tiny.model_config()
 
 
 @pytest.fixture(scope="module")

@@ -13,23 +13,13 @@ import pytest
 
 import env_scripts
 from seeupo_jax import rollout, sampling
-from seeupo_jax.text import chat_tokens, tokenizer as tokenizer_lib
+from seeupo_jax.text import tokenizer as tokenizer_lib
 from seeupo_jax.envs import base
 from seeupo_jax.learner.batch import PROMPT_OR_ENV
-from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.rollout import workers as workers_lib
+import tiny
 
-MODEL = model_config_lib.get_preset("qwen3-tiny")
-
-
-@pytest.fixture(scope="module")
-def tok():
-  return tokenizer_lib.build_default_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def chat(tok):
-  return chat_tokens.ChatTokens(tok)
+MODEL = tiny.model_config()
 
 
 def _roller(chat, tok, spec, policy, *, max_turns, **kw):

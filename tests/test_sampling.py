@@ -11,8 +11,8 @@ import pytest
 from seeupo_jax import sampling
 from seeupo_jax import sampling_probs
 from seeupo_jax import sharding
-from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.models import qwen
+import tiny
 
 N_NEW = 12
 
@@ -132,7 +132,7 @@ def test_config_validation_names_the_key():
 
 @pytest.fixture(scope="module")
 def model():
-  cfg = model_config_lib.get_preset("qwen3-tiny")
+  cfg = tiny.model_config()
   params = jax.jit(qwen.init_params, static_argnums=0)(cfg, jax.random.key(0))
   # Sharper than the 0.02 init so that sampled sequences are far from uniform noise.
   params = jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, params)

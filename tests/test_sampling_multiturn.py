@@ -30,8 +30,8 @@ import pytest
 
 from seeupo_jax import sampling
 from seeupo_jax import sampling_probs
-from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.models import qwen
+import tiny
 
 N_NEW = 8
 MAX_CONTEXT = 59
@@ -90,7 +90,7 @@ ROWS = {0: ["c0"], 1: ["c1"], 2: ["c2a", "c2b"], 3: ["c3"]}
 
 @pytest.fixture(scope="module")
 def model():
-  cfg = model_config_lib.get_preset("qwen3-tiny")
+  cfg = tiny.model_config()
   assert cfg.dtype == "float32"
   params = jax.jit(qwen.init_params, static_argnums=0)(cfg, jax.random.key(0))
   # Sharper than the 0.02 init so that sampled sequences are far from uniform noise.
@@ -169,7 +169,7 @@ def _teacher_forced(params, ids, valid):
   """logp[b, s] = log p(ids[b, s + 1] | ids[b, :s + 1]) by teacher forcing, under the filtered
   distribution the sampler draws from (`sampling_probs.sampled_logprob` with SAMPLE_CFG's
   temperature, top-k and top-p), from one full forward pass: f32[B, S - 1]."""
-  cfg = model_config_lib.get_preset("qwen3-tiny")
+  cfg = tiny.model_config()
   positions = sampling.prompt_positions(valid)
   logits, _ = qwen.forward(params, ids[:, :-1], positions[:, :-1], valid[:, :-1], config=cfg)
   one = functools.partial(
@@ -288,7 +288,7 @@ def test_held_tokens_are_the_conversations(batch):
 
 
 def test_errors():
-  cfg = model_config_lib.get_preset("qwen3-tiny")
+  cfg = tiny.model_config()
   session = sampling.SamplerSession(cfg, SAMPLE_CFG, BATCH)
   key = _key(0, 0)
   with pytest.raises(ValueError, match=r"limit must be in \[1, 8\], got 0"):

@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 
 import hf_fixtures  # noqa: E402  (needs torch)
 from seeupo_jax import sampling  # noqa: E402
-from seeupo_jax.text import tokenizer as tokenizer_lib  # noqa: E402
 from seeupo_jax.models import checkpoint  # noqa: E402
+import tiny  # noqa: E402
 
 pytestmark = pytest.mark.parity
 N_NEW = 32
@@ -24,7 +24,7 @@ QUESTIONS = ["What is the weather in Paris?", "Hi", "List the files in my docume
 
 
 def _prompts():
-  tok = tokenizer_lib.build_default_tokenizer()
+  tok = tiny.tokenizer()
   rows = [
     tok.apply_chat_template(
       [{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True

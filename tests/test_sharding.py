@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from seeupo_jax import sharding
 from seeupo_jax.models import config as config_lib
 from seeupo_jax.models import qwen
+import tiny
 
 
 class MeshTest(parameterized.TestCase):
@@ -58,7 +59,7 @@ class MeshTest(parameterized.TestCase):
 class ShardedModelTest(parameterized.TestCase):
   @pytest.mark.slow
   def test_sharded_forward_decode_and_grad_equal_unsharded(self):
-    config = config_lib.get_preset("qwen3-tiny")
+    config = tiny.model_config()
     params = qwen.init_params(config, jax.random.key(0))
     rng = np.random.default_rng(0)
     b, s = 4, 12

@@ -14,11 +14,6 @@ import transformers
 from seeupo_jax.text import tokenizer as tokenizer_lib
 
 
-@pytest.fixture(scope="module")
-def tok():
-  return tokenizer_lib.build_default_tokenizer()
-
-
 def _fingerprint(tok):
   """Vocab and merges of the backend tokenizer, as plain JSON."""
   model = json.loads(tok.backend_tokenizer.to_str())["model"]

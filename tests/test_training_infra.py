@@ -27,6 +27,7 @@ from seeupo_jax.models import config as config_lib
 from seeupo_jax.models import qwen
 from seeupo_jax.training import checkpoints
 from seeupo_jax.training import metrics_log
+import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax 0.12.8: "<step>.orbax-checkpoint-tmp"
@@ -55,7 +56,7 @@ def _with_moments(state, optimizer, seed):
 
 @pytest.fixture(scope="module")
 def model():
-  config = config_lib.get_preset("qwen3-tiny")
+  config = tiny.model_config()
   return config, jax.jit(functools.partial(qwen.init_params, config))(jax.random.key(0))
 
 
@@ -207,11 +208,11 @@ def _abstract_state(config, optimizer):
 
 def test_a_different_model_is_refused_naming_the_first_differing_leaf(tiny_checkpoint):
   directory, optimizer = tiny_checkpoint
-  tiny = config_lib.get_preset("qwen3-tiny")
+  base = tiny.model_config()
   key = jax.eval_shape(lambda: jax.random.key(0))
   with checkpoints.Checkpointer(directory, every=1) as ckpt:
     # A wider MLP: [layers, intermediate, hidden] = [2, 128, 64] saved, [2, 96, 64] wanted.
-    wider = _abstract_state(tiny.replace(intermediate_size=96), optimizer)
+    wider = _abstract_state(base.replace(intermediate_size=96), optimizer)
     with pytest.raises(ValueError) as error:
       ckpt.restore_latest(wider, key)
     message = str(error.value)
@@ -230,10 +231,10 @@ def test_a_different_model_is_refused_naming_the_first_differing_leaf(tiny_check
 
     # A raw key where a typed key was saved.
     with pytest.raises(ValueError, match=r"PRNG key key<fry>\[\].*target is uint32\[2\]"):
-      ckpt.restore_latest(_abstract_state(tiny, optimizer), jax.random.PRNGKey(0))
+      ckpt.restore_latest(_abstract_state(base, optimizer), jax.random.PRNGKey(0))
 
     # The right target restores.
-    assert ckpt.restore_latest(_abstract_state(tiny, optimizer), key)[0] == 3
+    assert ckpt.restore_latest(_abstract_state(base, optimizer), key)[0] == 3
 
 
 @pytest.fixture

@@ -29,7 +29,6 @@ import pytest
 
 from experiments import configs
 from seeupo_jax.models import checkpoint as hf_checkpoint
-from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.models import qwen
 from seeupo_jax.models import safetensors_io
 from seeupo_jax.training import checkpoints
@@ -37,6 +36,7 @@ from seeupo_jax.training import config as config_lib
 from seeupo_jax.training import metrics_log
 from seeupo_jax.training import trainer
 from seeupo_jax.training import workdir as workdir_lib
+import tiny
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RUN = os.path.join(_ROOT, "experiments", "run.py")
@@ -626,7 +626,7 @@ def test_the_safetensors_reader_names_the_file_and_tensor_of_a_bad_file(tmp_path
 
 def test_run_py_refuses_a_truncated_model_safetensors_naming_it(tmp_path, jax_cache):
   model = tmp_path / "hf"
-  config = model_config_lib.get_preset("qwen3-tiny")
+  config = tiny.model_config()
   hf_checkpoint.save(qwen.init_params(config, jax.random.key(0)), config, str(model))
   trainer.build_model(_config())[1].save_pretrained(str(model))  # the preset's tokenizer
   weights = model / "model.safetensors"
