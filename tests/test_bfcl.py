@@ -14,6 +14,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 
 import hypothesis
 from hypothesis import strategies as st
@@ -629,17 +630,82 @@ def _parse_on_threads(data, rounds: int) -> None:
     list(pool.map(work, range(8)))
 
 
-def test_ast_parsing_on_threads_holds_up_under_thread_switch_stress(data, monkeypatch):
+def test_ast_parsing_on_threads_holds_up_under_thread_switch_stress(data):
+  # The control, that parses interleaved without `AST_LOCK` break:
+  # test_without_the_lock_interleaved_parses_break_exactly_on_the_pythons_with_gh_106905.
   _parse_on_threads(data, rounds=40)
-  # The control: without the lock, the same stress breaks CPython 3.11's parser (gh-106905);
-  # it did in 10 of 10 tries here (3.11.7).
-  monkeypatch.setattr(bfcl_calls, "AST_LOCK", contextlib.nullcontext())
+
+
+def _has_gh_106905(version: tuple[int, ...]) -> bool:
+  """Whether CPython `version` keeps the AST constructor's recursion depth in interpreter-wide
+  state (3.11.0-3.11.7, 3.12.0-3.12.1; fixed in 3.11.8 and 3.12.2 by per-call state)."""
+  return (3, 11) <= version < (3, 11, 8) or (3, 12) <= version < (3, 12, 2)
+
+
+def _parse_with_another_threads_parse_inside(parse):
+  """`parse()` on this thread, while at every garbage collection in the middle of it (its AST
+  constructor allocates) another thread runs `parse()` from start to end: the interleaving that
+  thread switches make by chance under `_thread_switch_stress`, here at every allocation. The
+  other thread is new (a shallow stack) and this one runs under pytest (a deep one), so an AST
+  constructor whose depth count is interpreter-wide ends this parse below the depth it began at.
+  Returns (this thread's result or exception, the number of parses run inside it)."""
+  here = threading.get_ident()
+  inside = []
+
+  def in_every_collection(phase, info):
+    if phase == "start" and threading.get_ident() == here:
+      other = threading.Thread(target=lambda: inside.append(parse()))
+      other.start()
+      other.join()  # collections wait while this one runs: none starts on the other thread
+
+  threshold = gc.get_threshold()
+  gc.set_threshold(1)
+  gc.callbacks.append(in_every_collection)
   try:
-    _parse_on_threads(data, rounds=40)
+    result = parse()
   except SystemError as e:
-    assert "AST constructor recursion depth mismatch" in str(e)
+    result = e
+  finally:
+    gc.callbacks.remove(in_every_collection)
+    gc.set_threshold(*threshold)
+  return result, len(inside)
+
+
+@pytest.mark.parametrize(
+  "version,broken",
+  [
+    ((3, 11, 7), True),
+    ((3, 11, 8), False),
+    ((3, 12, 1), True),
+    ((3, 12, 2), False),
+    ((3, 13), False),
+  ],
+)
+def test_the_cpython_versions_with_the_shared_ast_depth_are_known(version, broken):
+  assert _has_gh_106905(version) == broken
+
+
+def test_without_the_lock_interleaved_parses_break_exactly_on_the_pythons_with_gh_106905(
+  data, monkeypatch
+):
+  """The control of the stress test: `AST_LOCK` is what keeps parses on threads whole. Without
+  it, a ground-truth parse with another thread's parse run inside it fails on the CPython
+  versions with gh-106905 ("AST constructor recursion depth mismatch"), and gives the call on
+  the others."""
+  entry = data.entry("multi_turn_base_0")
+  source = entry.ground_truth[0][0]
+  names = functools.partial(data.parameter_names, entry)
+  expected = bfcl_calls.ground_truth_call(source, names)
+  monkeypatch.setattr(bfcl_calls, "AST_LOCK", contextlib.nullcontext())
+  result, inside = _parse_with_another_threads_parse_inside(
+    lambda: bfcl_calls.ground_truth_call(source, names)
+  )
+  assert inside > 0  # the other thread did parse in the middle of this parse
+  if _has_gh_106905(sys.version_info[:3]):
+    assert isinstance(result, SystemError), result
+    assert "AST constructor recursion depth mismatch" in str(result)
   else:
-    pytest.skip("this Python's ast.parse survived the stress without the lock (gh-106905 fixed?)")
+    assert result == expected
 
 
 def test_every_ast_parse_of_an_episode_holds_the_lock(data, monkeypatch):
