@@ -14,7 +14,9 @@ import sys
 from typing import Mapping, Optional, Sequence
 
 # old dotted path -> new dotted path
-MOVED_MODULES: dict[str, str] = {}
+MOVED_MODULES: dict[str, str] = {
+  "seeupo_jax.decode_layout": "seeupo_jax.sampling.layout",
+}
 
 
 class _Alias(importlib.abc.Loader):

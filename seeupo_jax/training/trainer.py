@@ -47,7 +47,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from seeupo_jax import chat_tokens
-from seeupo_jax import decode_layout
+from seeupo_jax.sampling import layout as decode_layout
 from seeupo_jax import distributed
 from seeupo_jax import envs
 from seeupo_jax import learner
