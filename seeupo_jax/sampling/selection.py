@@ -45,7 +45,7 @@ def select_token(
 
   z = logits / T
   sampled: token ~ softmax(filter(z)),  logp = log softmax(filter(z))[token]
-           (`sampling_probs.sampled_logprob`; = log softmax(z)[token] with top-k/top-p off)
+           (= log softmax(z)[token] with top-k/top-p off)
   greedy:  token = argmax(z),           logp = log softmax(z)[token]
 
   Args:
