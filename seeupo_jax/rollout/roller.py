@@ -4,7 +4,7 @@
     result = roller.run(params, task_ids, samples_per_task=8, rng=key)
     batch = collate(result.trajectories, num_turns=3, max_len=1024)   # the learner's Batch
 
-One call plays B tasks x n samples = N episodes on `decode_slots` rows of the policy (a
+One call plays B tasks x n samples = N episodes on the S rows of the policy (a
 `sampling.SamplerSession`, or a text policy). The scheduler's loop:
 
     while episodes are pending or live:
@@ -125,17 +125,15 @@ class RolloutConfig:
   max_failed_group_fraction: raise `EnvironmentFailure` above this share of failed groups.
   scheduler: "continuous" (episodes advance on their own) or "turns" (a barrier per turn:
     the turn-synchronous baseline).
-  decode_slots: S, the policy's rows: the most episodes live at once.
-  decode_steps_per_sync: k, decode steps between host reads of finished replies.
-  page_size: slots per KV-cache page (`sampling.SessionConfig`).
-  prefill_chunk: the widest prefill call (longer inputs take several; `sampling.prefill_widths`).
-  prefill_rows: the rows of every prefill call (more rows with new tokens: several calls).
+
+  The sampler's geometry (its rows, pages, prefill rows and widths, decode steps per sync) is
+  the session's (`sampling.SessionConfig`), not the engine's.
   """
 
   max_turns: int = fields.field(fields.int_at_least(1))
   max_context_tokens: int = fields.field(fields.int_at_least(1), 2048)
   max_env_tokens: int = fields.field(fields.int_at_least(1), 512)
-  env_workers: int = fields.field(fields.int_at_least(1), 16)
+  env_workers: int = fields.field(fields.int_at_least(1), 4)
   env_isolation: str = fields.field(fields.one_of(("auto",) + workers_lib.ISOLATIONS), "auto")
   env_call_timeout_s: float = fields.field(
     fields.allowed_of(workers_lib.WorkerConfig, "call_timeout_s"), 10.0
@@ -147,11 +145,6 @@ class RolloutConfig:
   episode_retries: int = fields.field(fields.int_at_least(0), 1)
   max_failed_group_fraction: float = fields.field(fields.number_in(0, 1), 0.25)
   scheduler: str = fields.field(fields.one_of(SCHEDULERS), "continuous")
-  decode_slots: int = fields.field(fields.int_at_least(1), 64)
-  decode_steps_per_sync: int = fields.field(fields.int_at_least(1), 8)
-  page_size: int = fields.field(fields.int_at_least(1), 32)
-  prefill_chunk: int = fields.field(fields.int_at_least(1), 64)
-  prefill_rows: int = fields.field(fields.int_at_least(1), 8)
 
   def __post_init__(self):
     fields.check(self)
@@ -166,16 +159,10 @@ class RolloutConfig:
       memory_limit_mb=self.env_memory_limit_mb,
     )
 
-  def session_config(self, max_new_tokens: int) -> sampling.SessionConfig:
-    """The sampler session's geometry."""
-    return sampling.SessionConfig(
-      rows=self.decode_slots,
-      max_context_tokens=self.max_context_tokens,
-      page_size=self.page_size,
-      prefill_chunk=self.prefill_chunk,
-      prefill_rows=self.prefill_rows,
-      decode_steps_per_sync=self.decode_steps_per_sync,
-    )
+  def session_config(self, **geometry) -> sampling.SessionConfig:
+    """A sampler session of this config's `max_context_tokens` and the given geometry
+    (`sampling.SessionConfig`'s other fields; their defaults otherwise)."""
+    return sampling.SessionConfig(max_context_tokens=self.max_context_tokens, **geometry)
 
 
 @dataclasses.dataclass
@@ -272,6 +259,10 @@ class Roller:
     sampling_config: decoding settings; `max_new_tokens` is the reply limit and its stop
       tokens should include the chat template's end of turn.
     config: the `RolloutConfig`.
+    session_config: the sampler session's geometry (`sampling.SessionConfig`, its
+      `max_context_tokens` at least `config.max_context_tokens`); None: the defaults
+      (`config.session_config()`). Its `rows` are the most episodes live at once, for a text
+      policy too.
     cache_sharding: optional PagedKVCache -> shardings (see `sampling.SamplerSession`).
     workers: the env workers to use (shared, e.g. by training and evaluation; the caller shuts
       them down); None: the Roller makes its own from `config` and `close` shuts them down.
@@ -290,6 +281,7 @@ class Roller:
     sampling_config: sampling.SamplingConfig,
     config: RolloutConfig,
     *,
+    session_config: Optional[sampling.SessionConfig] = None,
     cache_sharding=None,
     workers: Optional[workers_lib.EnvWorkers] = None,
     text_policy: Optional[Callable[[Trajectory], str]] = None,
@@ -305,12 +297,16 @@ class Roller:
     self.sampling_config = sampling_config
     self.config = config
     self.processes = processes or distributed.Processes()
+    session_config = session_config or config.session_config()
+    if session_config.max_context_tokens < config.max_context_tokens:
+      raise ValueError(
+        f"session_config.max_context_tokens={session_config.max_context_tokens} < "
+        f"config.max_context_tokens={config.max_context_tokens}"
+      )
+    self.session_config = session_config
     if text_policy is None:
       self.session = sampling.SamplerSession(
-        model_config,
-        sampling_config,
-        config.session_config(sampling_config.max_new_tokens),
-        cache_sharding=cache_sharding,
+        model_config, sampling_config, session_config, cache_sharding=cache_sharding
       )
       self.policy: policy_lib.Policy = policy_lib.SamplerPolicy(self.session)
     else:
@@ -426,9 +422,8 @@ class Roller:
     capacity = None if self.spec.capacity is None else int(self.spec.capacity())
     if capacity is not None and capacity < 1:
       raise EnvironmentFailure("the environment can run no episode now (capacity 0)")
-    slots = (
-      self.config.decode_slots if capacity is None else min(capacity, self.config.decode_slots)
-    )
+    rows = self.session_config.rows
+    slots = rows if capacity is None else min(capacity, rows)
     self._schedule(
       params,
       collections.deque(_Episode(t, 0, k) for t, k in zip(trajectories, keys)),
@@ -629,7 +624,7 @@ class Roller:
     if self.session is not None:
       now = self.session.stats
       counts.session = True
-      counts.slots = self.config.decode_slots
+      counts.slots = self.session_config.rows
       counts.decode_steps = now.decode_steps - session_before.decode_steps
       counts.decode_row_steps = now.decode_row_steps - session_before.decode_row_steps
       counts.decode_calls = now.decode_calls - session_before.decode_calls

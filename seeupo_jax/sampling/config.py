@@ -54,11 +54,15 @@ class SamplingConfig:
     fields.check(self)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SessionConfig:
-  """Geometry and schedule of a `SamplerSession` (validated on construction).
+  """Geometry and schedule of a `SamplerSession` (validated on construction): the sampler's
+  geometry is declared here once (the training config's `rollout.decode_slots`, `page_size`,
+  `prefill_chunk`, `prefill_rows` and `decode_steps_per_sync` keys take their defaults and
+  allowed values from these fields).
 
-  rows: S, the decode slots: rows that decode together in one program.
+  rows: S, the decode slots: rows that decode together in one program (the rollout engine's
+      most episodes live at once).
   max_context_tokens: the most tokens one row may hold (its context and reply); sets the
       widest page table.
   page_size: slots per KV page. A row holds ceil(its tokens / page_size) pages (plus room for
@@ -78,7 +82,7 @@ class SessionConfig:
       it doubles when full (each size one compile).
   """
 
-  rows: int = fields.field(fields.int_at_least(1))
+  rows: int = fields.field(fields.int_at_least(1), 64)
   max_context_tokens: int = fields.field(fields.int_at_least(1))
   page_size: int = fields.field(fields.int_at_least(1), 32)
   prefill_chunk: int = fields.field(fields.int_at_least(1), 64)

@@ -295,7 +295,8 @@ def build(config: TrainConfig | ml_collections.ConfigDict) -> Program:
     stop_token_ids=stops,
     pad_id=pad_id,
   )
-  rollout_config = r.rollout_config(processes.count)
+  rollout_config = r.rollout_config()
+  session_config = r.session_config(processes.count)
   eval_sampling = dataclasses.replace(sampling_config, greedy=config.eval.greedy)
   learner_config = config.learner
   optimizer = build_optimizer(config.optimizer)
@@ -326,6 +327,7 @@ def build(config: TrainConfig | ml_collections.ConfigDict) -> Program:
         decode.model_config,
         sampler_config,
         rollout_config,
+        session_config=session_config,
         cache_sharding=cache_sharding,
         workers=env_workers,
         processes=processes,
