@@ -51,6 +51,7 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder):
 
 
 def install(moved: Mapping[str, str] = MOVED_MODULES) -> None:
-  """Adds one finder for `moved` to `sys.meta_path` (idempotent)."""
+  """Adds one finder for `moved` at the front of `sys.meta_path` (idempotent): an old path
+  resolves to its new module even where a stale file or an installed copy still has it."""
   if not any(isinstance(f, MovedModuleFinder) for f in sys.meta_path):
-    sys.meta_path.append(MovedModuleFinder(moved))
+    sys.meta_path.insert(0, MovedModuleFinder(moved))  # before any finder of a stale copy
