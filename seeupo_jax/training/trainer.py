@@ -324,11 +324,12 @@ def build(config: TrainConfig | ml_collections.ConfigDict) -> Program:
       rollout.Roller(
         spec,
         chat,
-        decode.model_config,
-        sampler_config,
-        rollout_config,
-        session_config=session_config,
-        cache_sharding=cache_sharding,
+        config=rollout_config,
+        policy=rollout.SamplerPolicy(
+          sampling.SamplerSession(
+            decode.model_config, sampler_config, session_config, cache_sharding=cache_sharding
+          )
+        ),
         workers=env_workers,
         processes=processes,
       )
