@@ -50,7 +50,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from seeupo_jax import decode_layout  # noqa: E402
+from seeupo_jax.sampling import layout as decode_layout  # noqa: E402
 from seeupo_jax.devtools import hlo_collectives  # noqa: E402
 from seeupo_jax import sampling  # noqa: E402
 from seeupo_jax import sharding  # noqa: E402

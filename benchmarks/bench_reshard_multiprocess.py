@@ -45,7 +45,7 @@ def worker(args) -> None:
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   sys.path.insert(0, _ROOT)
-  from seeupo_jax import decode_layout  # pylint: disable=g-import-not-at-top
+  from seeupo_jax.sampling import layout as decode_layout  # pylint: disable=g-import-not-at-top
   from seeupo_jax import distributed
   from seeupo_jax.devtools import hlo_collectives
   from seeupo_jax import learner

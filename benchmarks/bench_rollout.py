@@ -91,11 +91,11 @@ def _roller(
     max_context_tokens=args.max_context,
     env_workers=args.env_workers,
     scheduler=scheduler,
-    decode_slots=args.slots,
-    decode_steps_per_sync=args.steps_per_sync,
-    prefill_rows=prefill_rows,
   )
-  return rollout.Roller(spec, chat, qwen_config(), sc, config)
+  session = config.session_config(
+    rows=args.slots, decode_steps_per_sync=args.steps_per_sync, prefill_rows=prefill_rows
+  )
+  return rollout.Roller(spec, chat, qwen_config(), sc, config, session_config=session)
 
 
 def qwen_config():

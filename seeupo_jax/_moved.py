@@ -16,6 +16,7 @@ from typing import Mapping, Optional, Sequence
 # old dotted path -> new dotted path
 MOVED_MODULES: dict[str, str] = {
   "seeupo_jax.chat_tokens": "seeupo_jax.text.chat_tokens",
+  "seeupo_jax.decode_layout": "seeupo_jax.sampling.layout",
   "seeupo_jax.hlo_collectives": "seeupo_jax.devtools.hlo_collectives",
   "seeupo_jax.tokenizer": "seeupo_jax.text.tokenizer",
 }

@@ -14,7 +14,7 @@ moves small host objects (metrics, the groups DAPO keeps, log lines) between pro
 device all-gather of their pickled bytes; a single-process `Processes` answers without JAX.
 
 `local_view` gives a process its own devices' part of a global array as an array on a
-process-local mesh, without a copy (the sampler's params: `decode_layout.DecodeLayout`).
+process-local mesh, without a copy (the sampler's params: `sampling.layout.DecodeLayout`).
 """
 
 from __future__ import annotations

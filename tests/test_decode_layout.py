@@ -12,7 +12,7 @@ import pytest
 from absl.testing import absltest, parameterized
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from seeupo_jax import decode_layout
+from seeupo_jax.sampling import layout as decode_layout
 from seeupo_jax.devtools import hlo_collectives
 from seeupo_jax import sampling
 from seeupo_jax import sharding

@@ -91,7 +91,8 @@ def _roller(tok, processes=None):
     chat_tokens.ChatTokens(tok),
     MODEL,
     sampling.SamplingConfig(max_new_tokens=4),
-    rollout.RolloutConfig(max_turns=2, decode_slots=3, env_workers=2),
+    rollout.RolloutConfig(max_turns=2, env_workers=2),
+    session_config=sampling.SessionConfig(rows=3, max_context_tokens=2048),
     text_policy=_policy(tok),
     processes=processes,
   )

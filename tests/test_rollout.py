@@ -91,14 +91,15 @@ def _spec(max_turns=4, delay=0.0):
   )
 
 
-def _roller(chat, tok, *, max_turns=4, max_new=5, delay=0.0, **kw):
+def _roller(chat, tok, *, max_turns=4, max_new=5, delay=0.0, decode_slots=64, **kw):
   sc = sampling.SamplingConfig(
     max_new_tokens=max_new,
     stop_token_ids=tuple(tokenizer_lib.stop_token_ids(tok)),
     pad_id=tok.pad_token_id,
   )
   config = rollout.RolloutConfig(max_turns=max_turns, **kw)
-  return rollout.Roller(_spec(max_turns, delay), chat, MODEL, sc, config)
+  session = config.session_config(rows=decode_slots)
+  return rollout.Roller(_spec(max_turns, delay), chat, MODEL, sc, config, session_config=session)
 
 
 class Recorder:

@@ -95,6 +95,9 @@ class SlowTaskEnv(TimedEnv):
     return result
 
 
+GEOMETRY = {"decode_slots": "rows", "page_size": "page_size", "decode_steps_per_sync": None}
+
+
 def _roller(chat, tok, env=TimedEnv, *, max_new=6, max_turns=4, **kw):
   sc = sampling.SamplingConfig(
     max_new_tokens=max_new,
@@ -102,8 +105,10 @@ def _roller(chat, tok, env=TimedEnv, *, max_new=6, max_turns=4, **kw):
     pad_id=tok.pad_token_id,
   )
   spec = base.EnvSpec(make=env, task_ids=lambda split: [], max_turns=max_turns)
+  geometry = {GEOMETRY[k] or k: kw.pop(k) for k in list(kw) if k in GEOMETRY}
   config = rollout.RolloutConfig(max_turns=max_turns, env_workers=8, **kw)
-  return rollout.Roller(spec, chat, MODEL, sc, config)
+  session = config.session_config(**geometry)
+  return rollout.Roller(spec, chat, MODEL, sc, config, session_config=session)
 
 
 TASKS = ["4/1", "1/3", "3/2", "2/6", "4/9"]
@@ -251,7 +256,8 @@ def test_a_text_policy_solves_the_synthetic_task_through_the_engine(chat, tok):
       chat,
       MODEL,
       sc,
-      rollout.RolloutConfig(max_turns=3, decode_slots=5, scheduler=scheduler),
+      rollout.RolloutConfig(max_turns=3, scheduler=scheduler),
+      session_config=sampling.SessionConfig(rows=5, max_context_tokens=2048),
       text_policy=_clue_policy(tok),
     )
     result = roller.run(None, spec.task_ids("train")[:6], 2, jax.random.key(0))

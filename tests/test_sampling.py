@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import sampling_reference
 
 from seeupo_jax import sampling
-from seeupo_jax import sampling_probs
 from seeupo_jax import sharding
 from seeupo_jax.models import qwen
 import tiny
@@ -190,21 +190,25 @@ def _teacher_forced(params, ids, valid, tokens, mask, *, cfg, temperature):
   return logp[:, ids.shape[1] - 1 :]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sc"))
-def _teacher_forced_sampled(params, ids, valid, tokens, mask, *, cfg, sc):
-  """The log-prob the sampler must record, by teacher forcing: the generated tokens' log-probs
-  under softmax(filter(logits / T)) (`sampling_probs.sampled_logprob`, the full distribution
-  when greedy), from one full forward pass: f32[B, N]."""
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _teacher_forced_logits(params, ids, valid, tokens, mask, *, cfg):
+  """The logits before each generated token, from one full forward pass: f32[B, N, V]."""
   seq = jnp.concatenate([ids, tokens], axis=1)
   seq_valid = jnp.concatenate([valid, mask], axis=1)
   positions = sampling.prompt_positions(seq_valid)
   logits, _ = qwen.forward(params, seq[:, :-1], positions[:, :-1], seq_valid[:, :-1], config=cfg)
-  logits = logits[:, ids.shape[1] - 1 :]
+  return logits[:, ids.shape[1] - 1 :]
+
+
+def _teacher_forced_sampled(params, ids, valid, tokens, mask, *, cfg, sc):
+  """The log-prob the sampler must record, by teacher forcing: the generated tokens' log-probs
+  under softmax(filter(logits / T)) (the float64 reference `sampling_reference.sampled_logprobs`,
+  the full distribution when greedy): f64[B, N]."""
+  logits = _teacher_forced_logits(params, ids, valid, tokens, mask, cfg=cfg)
   top_k, top_p = (0, 1.0) if sc.greedy else (sc.top_k, sc.top_p)
-  one = functools.partial(
-    sampling_probs.sampled_logprob, temperature=sc.temperature, top_k=top_k, top_p=top_p
+  return sampling_reference.sampled_logprobs(
+    np.asarray(logits), np.asarray(tokens), temperature=sc.temperature, top_k=top_k, top_p=top_p
   )
-  return jax.vmap(jax.vmap(one))(logits, tokens)
 
 
 @pytest.mark.parametrize("sc", [SAMPLE_CFG, GREEDY_CFG], ids=["sample", "greedy"])

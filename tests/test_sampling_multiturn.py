@@ -21,15 +21,14 @@ shapes: the geometry below is chosen so that the whole file compiles a handful o
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import sampling_reference
 
 from seeupo_jax import sampling
-from seeupo_jax import sampling_probs
 from seeupo_jax.models import qwen
 import tiny
 
@@ -165,20 +164,27 @@ def solo(model):
 
 
 @jax.jit
-def _teacher_forced(params, ids, valid):
-  """logp[b, s] = log p(ids[b, s + 1] | ids[b, :s + 1]) by teacher forcing, under the filtered
-  distribution the sampler draws from (`sampling_probs.sampled_logprob` with SAMPLE_CFG's
-  temperature, top-k and top-p), from one full forward pass: f32[B, S - 1]."""
+def _teacher_forced_logits(params, ids, valid):
+  """logits[b, s]: the next-token logits after ids[b, :s + 1], from one full forward pass:
+  f32[B, S - 1, V]."""
   cfg = tiny.model_config()
   positions = sampling.prompt_positions(valid)
   logits, _ = qwen.forward(params, ids[:, :-1], positions[:, :-1], valid[:, :-1], config=cfg)
-  one = functools.partial(
-    sampling_probs.sampled_logprob,
+  return logits
+
+
+def _teacher_forced(params, ids, valid):
+  """logp[b, s] = log p(ids[b, s + 1] | ids[b, :s + 1]) by teacher forcing, under the filtered
+  distribution the sampler draws from (the float64 reference
+  `sampling_reference.sampled_logprobs` with SAMPLE_CFG's temperature, top-k and top-p):
+  f64[B, S - 1]."""
+  return sampling_reference.sampled_logprobs(
+    np.asarray(_teacher_forced_logits(params, ids, valid)),
+    np.asarray(ids)[:, 1:],
     temperature=SAMPLE_CFG.temperature,
     top_k=SAMPLE_CFG.top_k,
     top_p=SAMPLE_CFG.top_p,
   )
-  return jax.vmap(jax.vmap(one))(logits, ids[:, 1:])
 
 
 # ---------------------------------------------------------------------------------------------

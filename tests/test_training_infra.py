@@ -575,12 +575,14 @@ def test_format_table_aligns_columns():
 @pytest.mark.parametrize("name", ["synthetic", "bfcl", "appworld"])
 def test_every_rollout_config_field_is_a_config_key_passed_by_its_name(name):
   """`RolloutConfig`'s fields are keys of the training configs' `rollout` section, and the typed
-  section's `rollout_config` passes each one on as it is (the slots: each process's share); each
-  allows what RolloutConfig's field allows (one declaration)."""
+  section's `rollout_config` passes each one on as it is; each allows what RolloutConfig's field
+  allows (one declaration). The session geometry keys go to `session_config` (the slots: each
+  process's share) and allow what `sampling.SessionConfig`'s fields allow."""
   sys.path.insert(0, REPO)
   from experiments import configs  # pylint: disable=g-import-not-at-top
   from seeupo_jax import fields as fields_lib  # pylint: disable=g-import-not-at-top
   from seeupo_jax import rollout  # pylint: disable=g-import-not-at-top
+  from seeupo_jax import sampling  # pylint: disable=g-import-not-at-top
   from seeupo_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
 
   config = configs.get_config(name)
@@ -591,8 +593,26 @@ def test_every_rollout_config_field_is_a_config_key_passed_by_its_name(name):
   section = config_lib.typed(config).rollout
   built = section.rollout_config()
   assert {f: getattr(built, f) for f in fields} == {f: config.rollout[f] for f in fields}
-  assert section.rollout_config(num_processes=2).decode_slots == 4
   for f in fields:
     assert fields_lib.allowed_of(config_lib.RolloutSection, f) is fields_lib.allowed_of(
       rollout.RolloutConfig, f
     )
+  geometry = {  # config key -> SessionConfig field
+    "decode_slots": "rows",
+    "max_context_tokens": "max_context_tokens",
+    "page_size": "page_size",
+    "prefill_chunk": "prefill_chunk",
+    "prefill_rows": "prefill_rows",
+    "decode_steps_per_sync": "decode_steps_per_sync",
+  }
+  session = section.session_config()
+  assert {k: getattr(session, f) for k, f in geometry.items()} == {
+    k: config.rollout[k] for k in geometry
+  }
+  assert session.prefill_rows == 3
+  assert section.session_config(num_processes=2).rows == 4
+  for key, f in geometry.items():
+    if key != "max_context_tokens":  # declared by RolloutConfig (checked above)
+      assert fields_lib.allowed_of(config_lib.RolloutSection, key) is fields_lib.allowed_of(
+        sampling.SessionConfig, f
+      )

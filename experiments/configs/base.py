@@ -6,10 +6,17 @@ import ml_collections
 from ml_collections import config_dict
 
 from seeupo_jax.learner import LearnerConfig
+from seeupo_jax.rollout import RolloutConfig
+from seeupo_jax.sampling import SessionConfig
 
 
 def options(**kwargs) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(kwargs)
+
+
+def default(cls, name: str):
+  """The default of field `name` of dataclass `cls` (declared there, once)."""
+  return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
 def learner_section(**overrides) -> ml_collections.ConfigDict:
@@ -59,19 +66,30 @@ def training_config() -> ml_collections.ConfigDict:
     max_context_tokens=160,
     max_reply_tokens=1,  # the synthetic task reads the first character; raise for real agents
     max_env_tokens=64,
-    env_workers=4,  # environment calls in flight (threads; worker processes with "process")
-    env_isolation="auto",  # "thread", "process" (time limits), "auto": the environment's choice
-    env_call_timeout_s=10.0,  # per call in worker processes; a reply's call past it -> an error
-    env_memory_limit_mb=4096,  # each worker process's address-space limit (0: none)
-    reset_retries=2,  # a failing reset, tried again on a fresh instance
-    episode_retries=1,  # an episode whose environment failed, played again from the start
-    max_failed_group_fraction=0.25,  # above this share of failed groups the run stops
-    scheduler="continuous",  # "turns": the turn-synchronous baseline (a barrier per turn)
-    decode_slots=64,  # the sampler's rows: the most episodes live at once
-    decode_steps_per_sync=8,  # decode steps between host reads of finished replies
-    page_size=32,  # KV-cache slots per page
-    prefill_chunk=64,  # the widest prefill call (also C/8, C/4, C/2; longer: several)
-    prefill_rows=8,  # the rows of every prefill call (more rows with new tokens: several)
+    # environment calls in flight (threads; worker processes with "process")
+    env_workers=default(RolloutConfig, "env_workers"),
+    # "thread", "process" (time limits), "auto": the environment's choice
+    env_isolation=default(RolloutConfig, "env_isolation"),
+    # per call in worker processes; a reply's call past it -> an error
+    env_call_timeout_s=default(RolloutConfig, "env_call_timeout_s"),
+    # each worker process's address-space limit (0: none)
+    env_memory_limit_mb=default(RolloutConfig, "env_memory_limit_mb"),
+    reset_retries=default(RolloutConfig, "reset_retries"),  # a failing reset, tried again
+    # an episode whose environment failed, played again from the start
+    episode_retries=default(RolloutConfig, "episode_retries"),
+    # above this share of failed groups the run stops
+    max_failed_group_fraction=default(RolloutConfig, "max_failed_group_fraction"),
+    # "turns": the turn-synchronous baseline (a barrier per turn)
+    scheduler=default(RolloutConfig, "scheduler"),
+    # The sampler session's geometry (`sampling.SessionConfig`):
+    decode_slots=default(SessionConfig, "rows"),  # the sampler's rows: most episodes live at once
+    # decode steps between host reads of finished replies
+    decode_steps_per_sync=default(SessionConfig, "decode_steps_per_sync"),
+    page_size=default(SessionConfig, "page_size"),  # KV-cache slots per page
+    # the widest prefill call (also C/8, C/4, C/2; longer: several)
+    prefill_chunk=default(SessionConfig, "prefill_chunk"),
+    # the rows of every prefill call (more rows with new tokens: several)
+    prefill_rows=default(SessionConfig, "prefill_rows"),
     decode_tensor_parallel=0,  # the sampler's tensor-parallel size (0: one data slice's devices)
     temperature=1.0,
     top_k=0,

@@ -1,11 +1,13 @@
 """The rollout engine: episodes of one environment family played by one policy, continuously.
 
-    roller = Roller(spec, chat, model_config, sampling_config, RolloutConfig(max_turns=3))
+    session = sampling.SamplerSession(model_config, sampling_config, sampling.SessionConfig(...))
+    roller = Roller(spec, chat, config=RolloutConfig(max_turns=3), policy=SamplerPolicy(session))
     result = roller.run(params, task_ids, samples_per_task=8, rng=key)
     batch = collate(result.trajectories, num_turns=3, max_len=1024)   # the learner's Batch
 
-One call plays B tasks x n samples = N episodes on `decode_slots` rows of the policy (a
-`sampling.SamplerSession`, or a text policy). The scheduler's loop:
+One call plays B tasks x n samples = N episodes on the S rows of the policy it is given
+(`policy.py`: a `sampling.SamplerSession`, or a text policy), which owns those rows and
+reports its counters. The scheduler's loop:
 
     while episodes are pending or live:
       admit        free rows take pending episodes (their `reset` goes to the env workers)
@@ -94,15 +96,31 @@ from seeupo_jax.learner.batch import PROMPT_OR_ENV
 from seeupo_jax.models.config import ModelConfig
 from seeupo_jax.rollout import policy as policy_lib
 from seeupo_jax.rollout import workers as workers_lib
+from seeupo_jax.rollout.keys import trajectory_keys
+from seeupo_jax.rollout.metrics import (
+  FINISH_REASONS,
+  EnvironmentFailure,
+  _Counts,
+  call_metrics,
+  drop_failed_groups,
+  first_errors,
+)
 from seeupo_jax.rollout.trajectory import Trajectory
+from seeupo_jax.rollout.truncation import TRUNCATION_MARKER, truncate_observation
 
-TRUNCATION_MARKER = "\n[... observation truncated]"
-FINISH_REASONS = ("done", "max_turns", "context", "env_error")
 SCHEDULERS = ("continuous", "turns")
 
-
-class EnvironmentFailure(RuntimeError):
-  """Too many environments failed in one rollout call (see the module docstring)."""
+__all__ = [  # with the names of keys.py, truncation.py and metrics.py it has always exported
+  "FINISH_REASONS",
+  "SCHEDULERS",
+  "TRUNCATION_MARKER",
+  "EnvironmentFailure",
+  "Roller",
+  "RolloutConfig",
+  "RolloutResult",
+  "trajectory_keys",
+  "truncate_observation",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,17 +143,15 @@ class RolloutConfig:
   max_failed_group_fraction: raise `EnvironmentFailure` above this share of failed groups.
   scheduler: "continuous" (episodes advance on their own) or "turns" (a barrier per turn:
     the turn-synchronous baseline).
-  decode_slots: S, the policy's rows: the most episodes live at once.
-  decode_steps_per_sync: k, decode steps between host reads of finished replies.
-  page_size: slots per KV-cache page (`sampling.SessionConfig`).
-  prefill_chunk: the widest prefill call (longer inputs take several; `sampling.prefill_widths`).
-  prefill_rows: the rows of every prefill call (more rows with new tokens: several calls).
+
+  The sampler's geometry (its rows, pages, prefill rows and widths, decode steps per sync) is
+  the session's (`sampling.SessionConfig`), not the engine's.
   """
 
   max_turns: int = fields.field(fields.int_at_least(1))
   max_context_tokens: int = fields.field(fields.int_at_least(1), 2048)
   max_env_tokens: int = fields.field(fields.int_at_least(1), 512)
-  env_workers: int = fields.field(fields.int_at_least(1), 16)
+  env_workers: int = fields.field(fields.int_at_least(1), 4)
   env_isolation: str = fields.field(fields.one_of(("auto",) + workers_lib.ISOLATIONS), "auto")
   env_call_timeout_s: float = fields.field(
     fields.allowed_of(workers_lib.WorkerConfig, "call_timeout_s"), 10.0
@@ -147,11 +163,6 @@ class RolloutConfig:
   episode_retries: int = fields.field(fields.int_at_least(0), 1)
   max_failed_group_fraction: float = fields.field(fields.number_in(0, 1), 0.25)
   scheduler: str = fields.field(fields.one_of(SCHEDULERS), "continuous")
-  decode_slots: int = fields.field(fields.int_at_least(1), 64)
-  decode_steps_per_sync: int = fields.field(fields.int_at_least(1), 8)
-  page_size: int = fields.field(fields.int_at_least(1), 32)
-  prefill_chunk: int = fields.field(fields.int_at_least(1), 64)
-  prefill_rows: int = fields.field(fields.int_at_least(1), 8)
 
   def __post_init__(self):
     fields.check(self)
@@ -166,16 +177,10 @@ class RolloutConfig:
       memory_limit_mb=self.env_memory_limit_mb,
     )
 
-  def session_config(self, max_new_tokens: int) -> sampling.SessionConfig:
-    """The sampler session's geometry."""
-    return sampling.SessionConfig(
-      rows=self.decode_slots,
-      max_context_tokens=self.max_context_tokens,
-      page_size=self.page_size,
-      prefill_chunk=self.prefill_chunk,
-      prefill_rows=self.prefill_rows,
-      decode_steps_per_sync=self.decode_steps_per_sync,
-    )
+  def session_config(self, **geometry) -> sampling.SessionConfig:
+    """A sampler session of this config's `max_context_tokens` and the given geometry
+    (`sampling.SessionConfig`'s other fields; their defaults otherwise)."""
+    return sampling.SessionConfig(max_context_tokens=self.max_context_tokens, **geometry)
 
 
 @dataclasses.dataclass
@@ -203,81 +208,38 @@ class _Timers:
   host: float = 0.0
 
 
-def _fold_keys(rng, groups, samples, attempts, turns: int) -> np.ndarray:
-  def one(g, i, a):
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(rng, g), i), a)
-    return jax.vmap(lambda t: jax.random.key_data(jax.random.fold_in(key, t)))(
-      np.arange(turns, dtype=np.uint32)
-    )
-
-  return jax.vmap(one)(groups, samples, attempts)
-
-
-_fold_keys_jit = jax.jit(_fold_keys, static_argnums=4)
-
-
-def trajectory_keys(
-  rng: jax.Array, groups: Sequence[int], samples: Sequence[int], attempts: Sequence[int], turns: int
-) -> np.ndarray:
-  """uint32[E, turns, 2]: the raw reply key of each turn of each episode (see the docstring).
-
-  Args:
-    rng: the call's PRNG key (typed or raw).
-    groups, samples, attempts: [E] the episodes' group, sample index and attempt.
-    turns: the most turns of an episode.
-  """
-  if not jax.numpy.issubdtype(rng.dtype, jax.dtypes.prng_key):
-    rng = jax.random.wrap_key_data(rng)
-  as_u32 = lambda x: np.asarray(x, np.uint32)  # noqa: E731
-  return np.asarray(_fold_keys_jit(rng, as_u32(groups), as_u32(samples), as_u32(attempts), turns))
-
-
-def truncate_observation(
-  messages: Sequence[envs_base.Message],
-  budget: int,
-  count_tokens: Callable[[str], list[int]],
-  decode: Callable[[list[int]], str],
-) -> tuple[list[envs_base.Message], int]:
-  """Cuts the messages' text to `budget` tokens in all, marking each cut message.
-
-  Returns (messages, number of tokens cut).
-  """
-  texts = [m.get("content") for m in messages if isinstance(m.get("content"), str)]
-  if sum(len(t.encode("utf-8")) for t in texts) <= budget:  # byte-level BPE: tokens <= bytes
-    return list(messages), 0
-  out, cut = [], 0
-  for message in messages:
-    content = message.get("content")
-    if not isinstance(content, str):
-      out.append(message)
-      continue
-    ids = count_tokens(content)
-    if len(ids) <= budget:
-      budget -= len(ids)
-      out.append(message)
-      continue
-    cut += len(ids) - budget
-    out.append({**message, "content": decode(ids[:budget]) + TRUNCATION_MARKER})
-    budget = 0
-  return out, cut
-
-
 class Roller:
   """Plays batches of episodes of one environment family with one policy (the engine).
+
+  The Roller drives the `policy.Policy` it is given and holds none of its state: the policy
+  owns its rows (the Roller takes and releases them) and reports its counters (`stats`).
+
+      policy = rollout.SamplerPolicy(sampling.SamplerSession(model_config, sc, session_config))
+      roller = Roller(spec, chat, config=RolloutConfig(max_turns=3), policy=policy)
+
+  Without `policy`, the Roller is given what builds one (`policy.make_policy`): `model_config`,
+  `sampling_config`, `session_config`, `cache_sharding` and `text_policy`.
 
   Args:
     spec: the environment family (`seeupo_jax.envs.make_spec`).
     chat: the tokenizer's `ChatTokens`.
-    model_config: the policy's `ModelConfig`.
+    model_config: the policy's `ModelConfig` (without `policy`).
     sampling_config: decoding settings; `max_new_tokens` is the reply limit and its stop
-      tokens should include the chat template's end of turn.
+      tokens should include the chat template's end of turn (without `policy`).
     config: the `RolloutConfig`.
-    cache_sharding: optional PagedKVCache -> shardings (see `sampling.SamplerSession`).
+    policy: the policy to drive (its `slots` the most episodes live at once, its
+      `max_reply_tokens` the reply limit).
+    session_config: the sampler session's geometry (`sampling.SessionConfig`, its
+      `max_context_tokens` at least `config.max_context_tokens`; without `policy`); None: the
+      defaults (`config.session_config()`). Its `rows` are the most episodes live at once, for
+      a text policy too.
+    cache_sharding: optional PagedKVCache -> shardings (see `sampling.SamplerSession`; without
+      `policy`).
     workers: the env workers to use (shared, e.g. by training and evaluation; the caller shuts
       them down); None: the Roller makes its own from `config` and `close` shuts them down.
     text_policy: replies from a function instead of the model: trajectory so far -> the reply
       text (scripted tests, the oracle); `run`'s params are then unused and the replies'
-      log-probs 0 (`policy.TextPolicy`).
+      log-probs 0 (`policy.TextPolicy`; without `policy`).
     processes: the run's processes (`distributed.Processes`); each plays its block of every
       call's groups (see the module docstring). None: one process.
   """
@@ -286,36 +248,51 @@ class Roller:
     self,
     spec: envs_base.EnvSpec,
     chat: ChatTokens,
-    model_config: ModelConfig,
-    sampling_config: sampling.SamplingConfig,
-    config: RolloutConfig,
+    model_config: Optional[ModelConfig] = None,
+    sampling_config: Optional[sampling.SamplingConfig] = None,
+    config: Optional[RolloutConfig] = None,
     *,
+    policy: Optional[policy_lib.Policy] = None,
+    session_config: Optional[sampling.SessionConfig] = None,
     cache_sharding=None,
     workers: Optional[workers_lib.EnvWorkers] = None,
     text_policy: Optional[Callable[[Trajectory], str]] = None,
     processes: Optional[distributed.Processes] = None,
   ):
+    if config is None:
+      raise TypeError("Roller needs a RolloutConfig (config=)")
     if config.max_turns > spec.max_turns:
       logging.info(
         "RolloutConfig.max_turns=%d exceeds the environment's %d", config.max_turns, spec.max_turns
       )
     self.spec = spec
     self.chat = chat
-    self.model_config = model_config
-    self.sampling_config = sampling_config
     self.config = config
     self.processes = processes or distributed.Processes()
-    if text_policy is None:
-      self.session = sampling.SamplerSession(
+    if policy is None:
+      session_config = session_config or config.session_config()
+      if session_config.max_context_tokens < config.max_context_tokens:
+        raise ValueError(
+          f"session_config.max_context_tokens={session_config.max_context_tokens} < "
+          f"config.max_context_tokens={config.max_context_tokens}"
+        )
+      policy = policy_lib.make_policy(
+        chat,
         model_config,
         sampling_config,
-        config.session_config(sampling_config.max_new_tokens),
+        session_config,
         cache_sharding=cache_sharding,
+        text_policy=text_policy,
       )
-      self.policy: policy_lib.Policy = policy_lib.SamplerPolicy(self.session)
-    else:
-      self.session = None
-      self.policy = policy_lib.TextPolicy(text_policy, chat)
+    elif any(
+      x is not None
+      for x in (model_config, sampling_config, session_config, cache_sharding, text_policy)
+    ):
+      raise ValueError(
+        "give the Roller a policy or what builds one (model_config, sampling_config, "
+        "session_config, cache_sharding, text_policy), not both"
+      )
+    self.policy: policy_lib.Policy = policy
     self._owns_workers = workers is None
     if workers is None:
       workers = workers_lib.make_workers(spec, config.worker_config(spec.isolation))
@@ -330,9 +307,15 @@ class Roller:
       self.workers.shutdown()
 
   @property
+  def session(self) -> Optional[sampling.SamplerSession]:
+    """The sampler session of a `SamplerPolicy` (None for other policies)."""
+    return getattr(self.policy, "session", None)
+
+  @property
   def cache_slots(self) -> int:
-    """The most KV-cache slots the sampler's rows held at once (0 for a text policy)."""
-    return 0 if self.session is None else self.session.stats.peak_cache_slots
+    """The most KV-cache slots the policy's rows held at once (0 for a text policy)."""
+    stats = self.policy.stats()
+    return 0 if stats is None else stats.peak_cache_slots
 
   # --- environment calls (worker threads) -----------------------------------------------------
 
@@ -404,7 +387,7 @@ class Roller:
     self._timers = _Timers()
     self._rng = rng
     stats_before = dataclasses.replace(self.workers.stats)
-    session_before = None if self.session is None else dataclasses.replace(self.session.stats)
+    policy_before = self.policy.stats()
     trajectories = [
       Trajectory(task_ids[group], group, sample)
       for group in self.processes.block(len(task_ids))
@@ -426,22 +409,21 @@ class Roller:
     capacity = None if self.spec.capacity is None else int(self.spec.capacity())
     if capacity is not None and capacity < 1:
       raise EnvironmentFailure("the environment can run no episode now (capacity 0)")
-    slots = (
-      self.config.decode_slots if capacity is None else min(capacity, self.config.decode_slots)
-    )
+    rows = self.policy.slots
+    most_live = rows if capacity is None else min(capacity, rows)
     self._schedule(
       params,
       collections.deque(_Episode(t, 0, k) for t, k in zip(trajectories, keys)),
-      slots,
+      most_live,
     )
     trajectories = [self._final[(t.group, t.sample)] for t in trajectories]
     return RolloutResult(
       trajectories,
-      self._metrics(trajectories, len(task_ids), t_start, stats_before, session_before),
+      self._metrics(trajectories, len(task_ids), t_start, stats_before, policy_before),
     )
 
-  def _schedule(self, params, pending: collections.deque, slots: int) -> None:
-    """The main loop (see the module docstring)."""
+  def _schedule(self, params, pending: collections.deque, most_live: int) -> None:
+    """The main loop (see the module docstring); at most `most_live` episodes at once."""
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self._in_flight = 0
     self._just_handed = 0  # steps submitted by the last hand-off
@@ -449,8 +431,8 @@ class Roller:
     self._policy_seconds = 0.0  # moving average of one prefill + decode round
     self._held: list = []  # env results held by the turns barrier
     self._pending = pending
-    self._free_rows = list(range(slots - 1, -1, -1))
-    self._live: dict[int, _Episode] = {}
+    self._most_live = most_live
+    self._live: dict[int, _Episode] = {}  # the policy's row -> its episode
     barrier = self.config.scheduler == "turns"
     self.policy.begin(params)
     while self._pending or self._live:
@@ -476,9 +458,9 @@ class Roller:
 
   def _admit(self) -> None:
     """Free rows take pending episodes; their resets go to the env workers."""
-    while self._free_rows and self._pending:
+    while self._pending and len(self._live) < self._most_live and self.policy.free:
       episode = self._pending.popleft()
-      episode.row = self._free_rows.pop()
+      episode.row = self.policy.take()
       self._live[episode.row] = episode
       self._submit("reset", episode, self._reset, episode.trajectory.task_id)
 
@@ -563,7 +545,7 @@ class Roller:
       return
     trajectory.append(new_ids, PROMPT_OR_ENV)
     room = self.config.max_context_tokens - len(trajectory.tokens)
-    limit = min(self.sampling_config.max_new_tokens, room)
+    limit = min(self.policy.max_reply_tokens, room)
     key = episode.turn_keys[trajectory.num_turns]
     self.policy.give(episode.row, trajectory, new_ids, key, limit)
 
@@ -593,7 +575,6 @@ class Roller:
       episode.handle = None
     self.policy.release(episode.row)
     del self._live[episode.row]
-    self._free_rows.append(episode.row)
     old = episode.trajectory
     if old.error is not None and episode.attempt < self.config.episode_retries:
       logging.warning("retrying task %s from the start: %s", old.task_id, old.error)
@@ -608,161 +589,34 @@ class Roller:
       return
     self._final[(old.group, old.sample)] = old
 
-  def _metrics(self, trajectories, num_groups, t_start, stats_before, session_before) -> dict:
+  def _metrics(self, trajectories, num_groups, t_start, stats_before, policy_before) -> dict:
     """The call's metrics (all processes'); raises `EnvironmentFailure` past the limit."""
-    failed_groups = _drop_failed_groups(trajectories)
-    first = {}
-    for t in trajectories:
-      if t.error and t.group not in first:
-        first[t.group] = f"task {t.task_id!r}: {t.error}"
+    failed_groups = drop_failed_groups(trajectories)
     counts = _Counts(
       wall=time.perf_counter() - t_start,
       sample=self._timers.sample,
       env_wait=self._timers.env_wait,
       host=self._timers.host,
       failed_groups=len(failed_groups),
-      errors=list(first.values())[:3],
+      errors=first_errors(trajectories),
       retried=self._retried,
       restarts=self.workers.stats.restarts - stats_before.restarts,
       restores=self.workers.stats.restores - stats_before.restores,
     )
-    if self.session is not None:
-      now = self.session.stats
+    now = self.policy.stats()
+    if now is not None:
       counts.session = True
-      counts.slots = self.config.decode_slots
-      counts.decode_steps = now.decode_steps - session_before.decode_steps
-      counts.decode_row_steps = now.decode_row_steps - session_before.decode_row_steps
-      counts.decode_calls = now.decode_calls - session_before.decode_calls
-      counts.prefill_calls = now.prefill_calls - session_before.prefill_calls
+      counts.slots = self.policy.slots
+      counts.decode_steps = now.decode_steps - policy_before.decode_steps
+      counts.decode_row_steps = now.decode_row_steps - policy_before.decode_row_steps
+      counts.decode_calls = now.decode_calls - policy_before.decode_calls
+      counts.prefill_calls = now.prefill_calls - policy_before.prefill_calls
       counts.peak_cache_slots = now.peak_cache_slots
       counts.live_tokens_at_peak = now.live_tokens_at_peak
-    # One exchange: every process's per-trajectory numbers (in group order) and counters.
-    reports = self.processes.allgather(([_numbers(t) for t in trajectories], counts))
-    rows = [row for part, _ in reports for row in part]
-    every = [c for _, c in reports]
-    failed = sum(c.failed_groups for c in every)
-    if failed and failed > self.config.max_failed_group_fraction * num_groups:
-      errors = [e for c in every for e in c.errors][:3]
-      raise EnvironmentFailure(
-        f"{failed} of {num_groups} task groups failed in one rollout (limit "
-        f"{self.config.max_failed_group_fraction:.0%}); first errors: " + "; ".join(errors)
-      )
-    for t in trajectories:
-      if t.error:
-        logging.warning("environment failure in task %s: %s", t.task_id, t.error)
-    return _rollout_metrics(rows, every)
-
-
-@dataclasses.dataclass
-class _Counts:
-  """One process's counters of one call (summed, or the slowest taken, over processes)."""
-
-  wall: float
-  sample: float
-  env_wait: float
-  host: float
-  failed_groups: int
-  errors: list
-  retried: int
-  restarts: int
-  restores: int
-  session: bool = False
-  slots: int = 0
-  decode_steps: int = 0
-  decode_row_steps: int = 0
-  decode_calls: int = 0
-  prefill_calls: int = 0
-  peak_cache_slots: int = 0
-  live_tokens_at_peak: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class _Numbers:
-  """The numbers of one trajectory that the call's metrics read."""
-
-  reward: float
-  success: bool
-  num_turns: int
-  length: int
-  generated: int
-  truncated_replies: int
-  truncated_env_tokens: int
-  env_stopped_calls: int
-  finish_reason: str
-  dropped: bool
-
-
-def _numbers(t: Trajectory) -> _Numbers:
-  return _Numbers(
-    reward=t.reward,
-    success=t.success,
-    num_turns=t.num_turns,
-    length=len(t.tokens),
-    generated=sum(1 for x in t.turn_ids if x >= 0),
-    truncated_replies=t.truncated_replies,
-    truncated_env_tokens=t.truncated_env_tokens,
-    env_stopped_calls=t.env_stopped_calls,
-    finish_reason=t.finish_reason,
-    dropped=t.dropped,
-  )
-
-
-def _drop_failed_groups(trajectories: Sequence[Trajectory]) -> set[int]:
-  failed = {t.group for t in trajectories if t.error is not None}
-  for t in trajectories:
-    t.dropped = t.group in failed
-  return failed
-
-
-def _rollout_metrics(rows: Sequence[_Numbers], counts: Sequence[_Counts]) -> dict:
-  """The call's metrics from its trajectories' numbers (in group order) and each process's
-  counters: times are the slowest process's, counts summed, shares over the sums."""
-  kept = [t for t in rows if not t.dropped]
-  generated = sum(t.generated for t in rows)
-  wall = max(c.wall for c in counts)
-  env_wait = max(c.env_wait for c in counts)
-  metrics = {
-    "rollout/time": wall,
-    "rollout/sample_time": max(c.sample for c in counts),
-    "rollout/env_wait_time": env_wait,
-    "rollout/host_time": max(c.host for c in counts),
-    "rollout/env_wait_share": env_wait / wall if wall > 0 else 0.0,
-    "rollout/generated_tokens": float(generated),
-    "rollout/tokens_per_s": generated / wall if wall > 0 else 0.0,
-    "rollout/failed_groups": float(sum(c.failed_groups for c in counts)),
-    "rollout/trajectories": float(len(rows)),
-  }
-  if kept:
-    metrics.update(
-      {
-        "reward": float(np.mean([t.reward for t in kept])),
-        "success": float(np.mean([t.success for t in kept])),
-        "turns": float(np.mean([t.num_turns for t in kept])),
-        "length": float(np.mean([t.length for t in kept])),
-        "reply_tokens": generated / max(1, sum(t.num_turns for t in rows)),
-        "truncated_replies": float(sum(t.truncated_replies for t in kept)),
-        "truncated_env_tokens": float(sum(t.truncated_env_tokens for t in kept)),
-      }
+    return call_metrics(
+      trajectories,
+      counts,
+      num_groups=num_groups,
+      max_failed_group_fraction=self.config.max_failed_group_fraction,
+      processes=self.processes,
     )
-    for reason in FINISH_REASONS:
-      metrics[f"finish/{reason}"] = float(np.mean([t.finish_reason == reason for t in rows]))
-  metrics["rollout/retried_episodes"] = float(sum(c.retried for c in counts))
-  metrics["rollout/env_stopped_calls"] = float(sum(t.env_stopped_calls for t in rows))
-  metrics["rollout/env_worker_restarts"] = float(sum(c.restarts for c in counts))
-  metrics["rollout/env_restores"] = float(sum(c.restores for c in counts))
-  if all(c.session for c in counts):
-    steps = sum(c.decode_steps for c in counts)
-    slot_steps = sum(c.decode_steps * c.slots for c in counts)
-    peak = sum(c.peak_cache_slots for c in counts)
-    live = sum(c.live_tokens_at_peak for c in counts)
-    metrics["rollout/decode_steps"] = float(steps)
-    metrics["rollout/decode_calls"] = float(sum(c.decode_calls for c in counts))
-    metrics["rollout/prefill_calls"] = float(sum(c.prefill_calls for c in counts))
-    # Share of the decode rows that were decoding, over the decode steps run.
-    metrics["rollout/slot_occupancy"] = (
-      sum(c.decode_row_steps for c in counts) / slot_steps if slot_steps else 0.0
-    )
-    metrics["rollout/decode_steps_per_token"] = steps / generated if generated else 0.0
-    metrics["rollout/cache_slots"] = float(peak)
-    metrics["rollout/cache_slots_per_live_token"] = peak / live if live else 0.0
-  return metrics

@@ -84,7 +84,8 @@ class EnvSection:
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
   """`rollout`: the batch, the limits, the sampler and the engine (`RolloutConfig`'s fields, each
-  under its own name, allow what `RolloutConfig` allows)."""
+  under its own name, allow what `RolloutConfig` allows; the sampler session's geometry allows
+  what `sampling.SessionConfig` allows, `decode_slots` its `rows`)."""
 
   tasks_per_iteration: int = fields.field(_POSITIVE)  # B
   samples_per_task: int = fields.field(_POSITIVE)  # n, the group size
@@ -111,18 +112,28 @@ class RolloutSection:
   episode_retries: int = _like(rollout.RolloutConfig, "episode_retries")
   max_failed_group_fraction: float = _like(rollout.RolloutConfig, "max_failed_group_fraction")
   scheduler: str = _like(rollout.RolloutConfig, "scheduler")
-  decode_slots: int = _like(rollout.RolloutConfig, "decode_slots")
-  decode_steps_per_sync: int = _like(rollout.RolloutConfig, "decode_steps_per_sync")
-  page_size: int = _like(rollout.RolloutConfig, "page_size")
-  prefill_chunk: int = _like(rollout.RolloutConfig, "prefill_chunk")
-  prefill_rows: int = _like(rollout.RolloutConfig, "prefill_rows")
+  decode_slots: int = _like(sampling.SessionConfig, "rows")
+  decode_steps_per_sync: int = _like(sampling.SessionConfig, "decode_steps_per_sync")
+  page_size: int = _like(sampling.SessionConfig, "page_size")
+  prefill_chunk: int = _like(sampling.SessionConfig, "prefill_chunk")
+  prefill_rows: int = _like(sampling.SessionConfig, "prefill_rows")
 
-  def rollout_config(self, num_processes: int = 1) -> rollout.RolloutConfig:
-    """The engine's `RolloutConfig`: every one of its fields under its own name, the slots
-    this process's share (decode_slots / processes)."""
+  def rollout_config(self) -> rollout.RolloutConfig:
+    """The engine's `RolloutConfig`: every one of its fields under its own name."""
     values = {f.name: getattr(self, f.name) for f in dataclasses.fields(rollout.RolloutConfig)}
-    values["decode_slots"] = self.decode_slots // num_processes
     return rollout.RolloutConfig(**values)
+
+  def session_config(self, num_processes: int = 1) -> sampling.SessionConfig:
+    """The sampler session's geometry, its rows this process's share (decode_slots /
+    processes)."""
+    return sampling.SessionConfig(
+      rows=self.decode_slots // num_processes,
+      max_context_tokens=self.max_context_tokens,
+      page_size=self.page_size,
+      prefill_chunk=self.prefill_chunk,
+      prefill_rows=self.prefill_rows,
+      decode_steps_per_sync=self.decode_steps_per_sync,
+    )
 
   @property
   def generation_budget(self) -> int:

@@ -99,7 +99,6 @@ def run_oracle(
     max_context_tokens=unlimited,
     max_env_tokens=unlimited,
     env_workers=workers,
-    decode_slots=workers,
     reset_retries=0,
     episode_retries=0,
     max_failed_group_fraction=1.0,
@@ -110,6 +109,7 @@ def run_oracle(
     None,
     sampling.SamplingConfig(max_new_tokens=unlimited),
     config,
+    session_config=config.session_config(rows=workers),
     workers=env_workers,
     text_policy=reply_text,
   )

@@ -47,7 +47,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from seeupo_jax.text import chat_tokens
-from seeupo_jax import decode_layout
+from seeupo_jax.sampling import layout as decode_layout
 from seeupo_jax import distributed
 from seeupo_jax import envs
 from seeupo_jax import learner
@@ -295,7 +295,8 @@ def build(config: TrainConfig | ml_collections.ConfigDict) -> Program:
     stop_token_ids=stops,
     pad_id=pad_id,
   )
-  rollout_config = r.rollout_config(processes.count)
+  rollout_config = r.rollout_config()
+  session_config = r.session_config(processes.count)
   eval_sampling = dataclasses.replace(sampling_config, greedy=config.eval.greedy)
   learner_config = config.learner
   optimizer = build_optimizer(config.optimizer)
@@ -323,10 +324,12 @@ def build(config: TrainConfig | ml_collections.ConfigDict) -> Program:
       rollout.Roller(
         spec,
         chat,
-        decode.model_config,
-        sampler_config,
-        rollout_config,
-        cache_sharding=cache_sharding,
+        config=rollout_config,
+        policy=rollout.SamplerPolicy(
+          sampling.SamplerSession(
+            decode.model_config, sampler_config, session_config, cache_sharding=cache_sharding
+          )
+        ),
         workers=env_workers,
         processes=processes,
       )

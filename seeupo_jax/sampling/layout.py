@@ -19,7 +19,7 @@ params, a copy on a mesh of the same devices laid out for decoding:
 Each decode step then moves only activations between devices (two all-reduces of [B, D] per
 layer, the embedding lookup's and the logits'), and each device reads 1 / tensor of the weights.
 
-    layout = decode_layout.DecodeLayout(model_config, mesh)        # builds the jitted reshard
+    layout = DecodeLayout(model_config, mesh)                      # builds the jitted reshard
     session = sampling.SamplerSession(layout.model_config, sampling_config, session_config,
                                       cache_sharding=layout.cache_sharding)
     with jax.set_mesh(layout.mesh):                                # the model's activation specs
