@@ -18,6 +18,7 @@ MOVED_MODULES: dict[str, str] = {
   "seeupo_jax.chat_tokens": "seeupo_jax.text.chat_tokens",
   "seeupo_jax.decode_layout": "seeupo_jax.sampling.layout",
   "seeupo_jax.hlo_collectives": "seeupo_jax.devtools.hlo_collectives",
+  "seeupo_jax.sampling_probs": "seeupo_jax.sampling.selection",
   "seeupo_jax.tokenizer": "seeupo_jax.text.tokenizer",
 }
 

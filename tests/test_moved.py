@@ -45,3 +45,29 @@ def test_an_old_path_gives_the_new_module_even_where_a_file_is_left_at_the_old_p
 
   assert importlib.import_module("seeupo_jax.an_old_name_of_losses") is losses
   sys.modules.pop("seeupo_jax.an_old_name_of_losses", None)
+
+
+def test_the_old_teacher_forcing_reference_path_gives_the_filtered_logprob():
+  """`seeupo_jax.sampling_probs.sampled_logprob` (its old home) is `sampling.sampled_logprob`."""
+  from seeupo_jax import sampling
+  from seeupo_jax.sampling_probs import sampled_logprob
+
+  assert sampled_logprob is sampling.sampled_logprob
+
+
+def test_geometry_given_to_the_rollout_config_reaches_the_session_config():
+  """`RolloutConfig(decode_slots=5, page_size=8)` (the sampler's geometry before it moved to
+  `sampling.SessionConfig`) still sets the session's rows and pages; geometry given to
+  `session_config` wins; SessionConfig checks the values."""
+  from seeupo_jax import fields
+  from seeupo_jax import rollout
+
+  config = rollout.RolloutConfig(max_turns=3, decode_slots=5, page_size=8, prefill_rows=2)
+  session = config.session_config()
+  assert (session.rows, session.page_size, session.prefill_rows) == (5, 8, 2)
+  assert session.max_context_tokens == config.max_context_tokens
+  assert config.session_config(rows=7, page_size=16).rows == 7
+  default = rollout.RolloutConfig(max_turns=3).session_config()
+  assert (default.rows, default.page_size) == (64, 32)
+  with pytest.raises(fields.FieldError, match="rows"):
+    rollout.RolloutConfig(max_turns=3, decode_slots=0).session_config()

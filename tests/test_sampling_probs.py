@@ -1,4 +1,5 @@
-"""The sampler's token selection (`sampling.filter_logits`, `sampling.select_token`) against an
+"""The sampler's token selection (`sampling.filter_logits`, `sampling.select_token`,
+`sampling.sampled_logprob`) against an
 exact float64 NumPy enumeration of the filtered, renormalised tempered distribution (every token
 of the vocabulary, kept or not; `sampling_reference.py`, written without the sampler's code)."""
 
@@ -14,13 +15,6 @@ import sampling_reference as ref
 from seeupo_jax import sampling
 
 V = 11
-
-
-def sampler_logprob(logits, token, *, temperature, top_k, top_p):
-  """The log-prob the sampler records for `token` (`sampling.select_token`'s computation):
-  log softmax(filter_logits(logits / T))[token], in float32."""
-  scaled = logits.astype(jnp.float32) / temperature
-  return jax.nn.log_softmax(sampling.filter_logits(scaled, top_k=top_k, top_p=top_p))[token]
 
 
 def _all_tokens(fn, logits, **kw):
@@ -40,8 +34,8 @@ SETTINGS = [
 @pytest.mark.parametrize("jit", [False, True], ids=["nojit", "jit"])
 @pytest.mark.parametrize("setting", SETTINGS, ids=str)
 def test_matches_exact_enumeration(setting, jit):
-  fn = jax.jit(sampler_logprob, static_argnames=("temperature", "top_k", "top_p"))
-  fn = fn if jit else sampler_logprob
+  fn = jax.jit(sampling.sampled_logprob, static_argnames=("temperature", "top_k", "top_p"))
+  fn = fn if jit else sampling.sampled_logprob
   rng = np.random.default_rng(0)
   for _ in range(5):
     logits = rng.normal(0.0, 2.0, V).astype(np.float32)
@@ -87,7 +81,7 @@ def test_unfiltered_is_the_full_tempered_logprob_bit_for_bit():
   """top_k = 0, top_p = 1: the full tempered log-prob, exactly (the learner's)."""
   logits = jnp.asarray(np.random.default_rng(1).normal(0.0, 3.0, V), jnp.float32)
   for token in range(V):
-    got = sampler_logprob(logits, jnp.int32(token), temperature=0.9, top_k=0, top_p=1.0)
+    got = sampling.sampled_logprob(logits, jnp.int32(token), temperature=0.9, top_k=0, top_p=1.0)
     full = jax.nn.log_softmax(logits / 0.9)[token]
     assert float(got) == float(full)
 
@@ -100,9 +94,9 @@ def test_filtered_logprob_is_the_full_one_minus_the_log_kept_mass():
   probs = np.exp(np.asarray(full, np.float64))
   # top_p = 0.8: kept while the mass before is < 0.8: tokens 0, 1, 2 (mass before 2: 0.79).
   assert probs[:2].sum() < 0.8 <= probs[:3].sum()
-  got = jax.vmap(lambda y: sampler_logprob(logits, y, temperature=1.0, top_k=0, top_p=0.8))(
-    jnp.arange(6)
-  )
+  got = jax.vmap(
+    lambda y: sampling.sampled_logprob(logits, y, temperature=1.0, top_k=0, top_p=0.8)
+  )(jnp.arange(6))
   np.testing.assert_allclose(got[:3], np.asarray(full[:3]) - math.log(probs[:3].sum()), rtol=1e-6)
   assert np.all(np.isneginf(np.asarray(got[3:])))
   want, _ = ref.filtered_logprobs(np.asarray(logits), temperature=1.0, top_k=0, top_p=0.8)
@@ -114,9 +108,9 @@ def test_ties_keep_the_lower_ids_like_the_reference():
   """Three tokens tie for the top logit and top_k = 2 keeps two of them: ids 1 and 3, the lower
   ones, each with probability 1/2 (as the reference's order keeps them)."""
   logits = jnp.asarray([0.0, 5.0, -1.0, 5.0, 5.0], jnp.float32)
-  got = jax.vmap(lambda y: sampler_logprob(logits, y, temperature=1.0, top_k=2, top_p=1.0))(
-    jnp.arange(5)
-  )
+  got = jax.vmap(
+    lambda y: sampling.sampled_logprob(logits, y, temperature=1.0, top_k=2, top_p=1.0)
+  )(jnp.arange(5))
   np.testing.assert_allclose(np.asarray(got)[[1, 3]], [math.log(0.5)] * 2, rtol=1e-6)
   assert np.all(np.isneginf(np.asarray(got)[[0, 2, 4]]))
   want, _ = ref.filtered_logprobs(np.asarray(logits), temperature=1.0, top_k=2, top_p=1.0)
@@ -129,10 +123,10 @@ def test_batched_under_vmap_and_in_bfloat16_logits():
   logits = jnp.asarray(rng.normal(0.0, 2.0, (4, V)), jnp.bfloat16)
   tokens = jnp.asarray([0, 3, 7, 10], jnp.int32)
   kw = dict(temperature=0.8, top_k=5, top_p=0.9)
-  rows = jax.vmap(lambda x, y: sampler_logprob(x, y, **kw))(logits, tokens)
+  rows = jax.vmap(lambda x, y: sampling.sampled_logprob(x, y, **kw))(logits, tokens)
   want = ref.sampled_logprobs(np.asarray(logits, np.float32), np.asarray(tokens), **kw)
   for b in range(4):
-    one = sampler_logprob(logits[b], tokens[b], **kw)
+    one = sampling.sampled_logprob(logits[b], tokens[b], **kw)
     assert rows.dtype == jnp.float32
     np.testing.assert_array_equal(rows[b], one)
     if np.isfinite(want[b]):

@@ -163,9 +163,28 @@ class RolloutConfig:
   episode_retries: int = fields.field(fields.int_at_least(0), 1)
   max_failed_group_fraction: float = fields.field(fields.number_in(0, 1), 0.25)
   scheduler: str = fields.field(fields.one_of(SCHEDULERS), "continuous")
+  # The sampler's geometry given here, as code written before it moved to `SessionConfig` does
+  # (`RolloutConfig(max_turns=3, decode_slots=5)`): passed on to `session_config`, where it is
+  # declared and checked. Not fields of this config.
+  decode_slots: dataclasses.InitVar[Optional[int]] = None
+  decode_steps_per_sync: dataclasses.InitVar[Optional[int]] = None
+  page_size: dataclasses.InitVar[Optional[int]] = None
+  prefill_chunk: dataclasses.InitVar[Optional[int]] = None
+  prefill_rows: dataclasses.InitVar[Optional[int]] = None
 
-  def __post_init__(self):
+  def __post_init__(
+    self, decode_slots, decode_steps_per_sync, page_size, prefill_chunk, prefill_rows
+  ):
     fields.check(self)
+    given = dict(
+      rows=decode_slots,
+      decode_steps_per_sync=decode_steps_per_sync,
+      page_size=page_size,
+      prefill_chunk=prefill_chunk,
+      prefill_rows=prefill_rows,
+    )
+    # An attribute, not a field: the config's fields stay the engine's own.
+    object.__setattr__(self, "_geometry", {k: v for k, v in given.items() if v is not None})
 
   def worker_config(self, default_isolation: str) -> workers_lib.WorkerConfig:
     """The env workers' config; "auto" isolation becomes `default_isolation` (the spec's)."""
@@ -179,8 +198,10 @@ class RolloutConfig:
 
   def session_config(self, **geometry) -> sampling.SessionConfig:
     """A sampler session of this config's `max_context_tokens` and the given geometry
-    (`sampling.SessionConfig`'s other fields; their defaults otherwise)."""
-    return sampling.SessionConfig(max_context_tokens=self.max_context_tokens, **geometry)
+    (`sampling.SessionConfig`'s other fields; then the geometry given to this config; their
+    defaults otherwise)."""
+    merged = {**self._geometry, **geometry}
+    return sampling.SessionConfig(max_context_tokens=self.max_context_tokens, **merged)
 
 
 @dataclasses.dataclass

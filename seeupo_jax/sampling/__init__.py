@@ -35,7 +35,8 @@ its key and the params, not on the rest of the batch, the row it sits in, or whe
 Modules, one role each:
   config.py     `SamplingConfig` (decoding hyper-parameters) and `SessionConfig` (a session's
                 geometry: rows, pages, prefill rows and widths, decode steps per sync);
-  selection.py  token selection: temperature, top-k, top-p (`filter_logits`, `select_token`);
+  selection.py  token selection: temperature, top-k, top-p (`filter_logits`, `select_token`,
+                `sampled_logprob`);
   steps.py      the device row state (`DecodeRows`) and the steps over it: `write_tokens` ->
                 `begin_replies` -> `decode_loop`, shared by both entry points;
   sampler.py    the one-shot sampler (`make_sampler`);
@@ -62,7 +63,7 @@ from seeupo_jax.sampling.sampler import (
   _stops_and_limits,
   make_sampler,
 )
-from seeupo_jax.sampling.selection import filter_logits, select_token
+from seeupo_jax.sampling.selection import filter_logits, sampled_logprob, select_token
 from seeupo_jax.sampling.session import (
   Reply,
   SamplerSession,
@@ -108,6 +109,7 @@ __all__ = [
   "next_logits",
   "prefill_widths",
   "prompt_positions",
+  "sampled_logprob",
   "select_token",
   "write_tokens",
 ]

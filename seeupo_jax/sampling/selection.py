@@ -66,3 +66,32 @@ def select_token(
     token = jax.random.categorical(key, filtered)
     logp = jax.nn.log_softmax(filtered)[token]
   return token.astype(jnp.int32), logp
+
+
+def sampled_logprob(
+  logits: jax.Array, token: jax.Array, *, temperature: float, top_k: int, top_p: float
+) -> jax.Array:
+  """log pi_sampler(token): a given token's log-prob under the distribution `select_token`
+  draws from (the filtered, renormalised tempered one), e.g. to score a reply by teacher forcing.
+
+    z = logits / T;  K = the kept set of `filter_logits(z, top_k, top_p)`
+    log pi_sampler(y) = z_y - log sum_{v in K} exp(z_v)   if y in K,   -inf otherwise
+
+  With top_k = 0 and top_p = 1 it is bit for bit `jax.nn.log_softmax(z)[token]`. One row;
+  `jax.vmap` it over rows. (`tests/sampling_reference.py` computes the same in float64 NumPy
+  from the definition, without this module.)
+
+  Args:
+    logits: float[V] next-token logits (computed in float32, as the sampler).
+    token: int32 scalar.
+    temperature: T > 0.
+    top_k: int >= 0, 0 = no top-k cut (static).
+    top_p: float in (0, 1], 1 = no nucleus cut (static).
+
+  Returns:
+    float32 scalar.
+  """
+  chex.assert_rank(logits, 1)
+  chex.assert_rank(token, 0)
+  scaled = logits.astype(jnp.float32) / temperature
+  return jax.nn.log_softmax(filter_logits(scaled, top_k=top_k, top_p=top_p))[token]
