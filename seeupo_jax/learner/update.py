@@ -71,6 +71,7 @@ from seeupo_jax.learner import objectives
 from seeupo_jax.learner import precision
 from seeupo_jax.learner.batch import Batch
 from seeupo_jax.learner.config import LearnerConfig
+from seeupo_jax.learner.optimizer import default_optimizer  # noqa: F401
 from seeupo_jax.learner.state import TrainState
 
 Array = jax.Array
@@ -937,21 +938,3 @@ def make_update(
   if not jit:
     return step
   return _jit_keeping_state_shardings(step, donate_argnums=(0,) if donate else ())
-
-
-def default_optimizer(
-  learning_rate: float = 1e-6,
-  weight_decay: float = 0.01,
-  max_grad_norm: float = 1.0,
-  b1: float = 0.9,
-  b2: float = 0.999,
-) -> optax.GradientTransformation:
-  """The authors' optimizer: global-norm clip, then AdamW (constant learning rate).
-
-  With bf16 params `init_state` wraps it in float32 master weights
-  (`precision.with_master_weights`); at lr 1e-6 a bf16 weight could not move otherwise.
-  """
-  return optax.chain(
-    optax.clip_by_global_norm(max_grad_norm),
-    optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay),
-  )

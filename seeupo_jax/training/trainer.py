@@ -237,12 +237,12 @@ def build_model(config: TrainConfig):
 
 
 def build_optimizer(o: config_lib.OptimizerSection) -> optax.GradientTransformation:
-  """Global-norm clip, then AdamW with an optional linear warm-up."""
-  lr = o.learning_rate
-  if o.warmup_steps:
-    lr = optax.linear_schedule(0.0, o.learning_rate, o.warmup_steps)
-  return optax.chain(
-    optax.clip_by_global_norm(o.max_grad_norm), optax.adamw(lr, weight_decay=o.weight_decay)
+  """`learner.default_optimizer` with the values of the config's `optimizer` section."""
+  return learner.default_optimizer(
+    o.learning_rate,
+    weight_decay=o.weight_decay,
+    max_grad_norm=o.max_grad_norm,
+    warmup_steps=o.warmup_steps,
   )
 
 
