@@ -66,6 +66,7 @@ import optax
 
 from seeupo_jax import losses
 from seeupo_jax.learner import batch as batch_lib
+from seeupo_jax.learner import dapo
 from seeupo_jax.learner import metrics as metrics_lib
 from seeupo_jax.learner import objectives
 from seeupo_jax.learner import precision
@@ -781,33 +782,12 @@ def _check_state(fns: UpdateFns, state: TrainState) -> None:
     )
 
 
-def _shape_rewards(config: LearnerConfig, batch: Batch) -> tuple[Batch, dict[str, Array]]:
-  """DAPO's options on the batch: dynamic sampling (rows of groups whose rewards are all equal
-  become invalid rows) and overlong reward shaping; with both off the batch is unchanged."""
-  metrics = {}
-  if config.dynamic_sampling:
-    keep, dropped = objectives.informative_groups(batch.rewards, batch.group_ids, batch.row_valid)
-    metrics["groups_dropped"] = dropped
-    metrics["rows_dropped"] = jnp.sum((batch.row_valid & ~keep).astype(jnp.float32))
-    batch = batch.replace(row_valid=keep)
-  if config.overlong_max_tokens is not None:
-    lengths = jnp.sum(batch_lib.generated_mask(batch, config.num_turns), axis=1)
-    penalty = objectives.overlong_penalty(
-      lengths, config.overlong_max_tokens, config.overlong_cache_tokens
-    )
-    metrics["overlong_penalty_mean"] = jnp.sum(penalty * batch.row_valid) / jnp.maximum(
-      jnp.sum(batch.row_valid.astype(jnp.float32)), 1.0
-    )
-    batch = batch.replace(rewards=batch.rewards.astype(jnp.float32) + penalty)
-  return batch, metrics
-
-
 def update(fns: UpdateFns, state: TrainState, batch: Batch, key: Array):
   """One training iteration; see the module doc and `make_update`."""
   config = fns.config
   batch_lib.check_shapes(batch)
   _check_state(fns, state)
-  batch, shaping_metrics = _shape_rewards(config, batch)
+  batch, shaping_metrics = dapo.shape_rewards(config, batch)
   mask = batch_lib.generated_mask(batch, config.num_turns)
   ref_logp = None
   if config.kl_coef > 0:

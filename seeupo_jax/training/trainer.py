@@ -51,6 +51,7 @@ from seeupo_jax import decode_layout
 from seeupo_jax import distributed
 from seeupo_jax import envs
 from seeupo_jax import learner
+from seeupo_jax.learner import dapo
 from seeupo_jax import rollout
 from seeupo_jax import sampling
 from seeupo_jax import sharding as sharding_lib
@@ -423,17 +424,8 @@ REFILL_STREAM = 0x0DA905
 fold_in(fold_in(k_rollout, REFILL_STREAM), r), a key no pass of the first rollout uses."""
 
 
-def informative_groups(trajectories) -> list[int]:
-  """The groups (`Trajectory.group`) whose kept trajectories' rewards are not all equal.
-
-  Kept: not `dropped` and not empty, the rows `collate` makes valid. Rewards are compared in
-  float32, as the learner's dynamic-sampling filter does (`objectives.informative_groups`).
-  """
-  rewards: dict[int, set] = {}
-  for t in trajectories:
-    if t.tokens and not t.dropped:
-      rewards.setdefault(t.group, set()).add(float(np.float32(t.reward)))
-  return sorted(g for g, values in rewards.items() if len(values) > 1)
+informative_groups = dapo.informative_group_ids
+"""The rollout's informative groups (`learner.dapo.informative_group_ids`)."""
 
 
 def refill_informative_groups(
@@ -473,7 +465,7 @@ def refill_informative_groups(
   kept: dict[int, list] = {}  # batch position -> the group's trajectories (played here)
   count, refills, result = 0, 0, first
   while True:
-    informative = processes.concat(informative_groups(result.trajectories))
+    informative = processes.concat(dapo.informative_group_ids(result.trajectories))
     for group in sorted(informative):
       if count < tasks_per_iteration:
         members = [t for t in result.trajectories if t.group == group]
