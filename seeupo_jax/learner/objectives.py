@@ -336,7 +336,7 @@ def aggregation_denominator(mask: Array, agg: str) -> Array:
   mini-batch's exactly. seq-mean-token-sum-norm's per-row constant C
   (`LearnerConfig.norm_length`, or L) is part of the row values, not of this count: it is
   the same in every micro-batch and chunk of a call (they all see the full width L,
-  `update._prefix_logprobs`), so it cancels in the micro-batch shares.
+  `shapes.prefix_logprobs`), so it cancels in the micro-batch shares.
   """
   if agg == "token-mean":
     return jnp.sum(mask)
