@@ -364,3 +364,32 @@ def test_overlong_penalty_and_informative_groups_by_hand():
   keep, dropped = learner.objectives.informative_groups(rewards, groups, valid)
   # Group 0 all equal, group 1 differs, group 2 has one valid row (equal to itself): 2 dropped.
   assert keep.tolist() == [False, False, True, True, False, False] and float(dropped) == 2.0
+
+
+def test_the_refill_and_the_update_filter_agree_on_informative_groups():
+  """One rule on both sides: the groups the host's refill finds informative
+  (`dapo.informative_group_ids`, on trajectories) are those whose rows the update keeps
+  (`dapo.informative_rows`, on the batch's arrays)."""
+  import types
+
+  from seeupo_jax.learner import dapo
+
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    n = 12
+    groups = rng.integers(0, 4, n)
+    rewards = rng.choice([0.0, 0.5, 1.0, 1.0 + 1e-9], n)  # 1 + 1e-9 is 1 in float32
+    dropped = rng.random(n) < 0.2
+    empty = rng.random(n) < 0.1
+    trajectories = [
+      types.SimpleNamespace(
+        group=int(g), reward=float(r), dropped=bool(d), tokens=[] if e else [1, 2]
+      )
+      for g, r, d, e in zip(groups, rewards, dropped, empty)
+    ]
+    valid = ~dropped & ~empty
+    keep, _ = dapo.informative_rows(
+      jnp.asarray(rewards, jnp.float32), jnp.asarray(groups, jnp.int32), jnp.asarray(valid)
+    )
+    kept_groups = sorted({int(g) for g, k in zip(groups, np.asarray(keep)) if k})
+    assert dapo.informative_group_ids(trajectories) == kept_groups

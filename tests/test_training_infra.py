@@ -616,3 +616,20 @@ def test_every_rollout_config_field_is_a_config_key_passed_by_its_name(name):
       assert fields_lib.allowed_of(config_lib.RolloutSection, key) is fields_lib.allowed_of(
         sampling.SessionConfig, f
       )
+
+
+def test_the_progress_fn_feeds_each_writer_in_order_and_redraws_at_evaluations():
+  """`writers.fan_out` calls every writer with (iteration, metrics), in the order given (the
+  figures read what the metrics log wrote); `every_evaluation` redraws only where `due` says."""
+  from seeupo_jax.training import writers
+
+  calls = []
+  figures = writers.every_evaluation(
+    lambda: calls.append("plot"), lambda iteration: iteration % 2 == 0
+  )
+  progress_fn = writers.fan_out(
+    [lambda i, m: calls.append(("log", i, m["reward"])), figures, lambda i, m: calls.append(i)]
+  )
+  for iteration in (1, 2, 3):
+    progress_fn(iteration, {"reward": iteration / 10})
+  assert calls == [("log", 1, 0.1), 1, ("log", 2, 0.2), "plot", 2, ("log", 3, 0.3), 3]

@@ -39,4 +39,5 @@ from seeupo_jax.learner.state import (
   shard_params,
   state_shardings,
 )
-from seeupo_jax.learner.update import StepStats, default_optimizer, make_update
+from seeupo_jax.learner.optimizer import default_optimizer
+from seeupo_jax.learner.update import StepStats, make_update

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 
 from seeupo_jax import losses
 from seeupo_jax.learner.config import LearnerConfig
+from seeupo_jax.learner.dapo import overlong_penalty  # noqa: F401
+from seeupo_jax.learner.dapo import informative_rows as informative_groups  # noqa: F401
 
 Array = jax.Array
 
@@ -53,50 +55,6 @@ def trajectory_advantages(
     clip=config.advantage_clip if norm == "batch" else None,
     valid=row_valid,
   )
-
-
-def overlong_penalty(lengths: Array, max_tokens: int, cache_tokens: int) -> Array:
-  """DAPO's soft overlong punishment, added to the outcome reward.
-
-    R_len(|y|) = 0                                 |y| <= L_max - L_cache
-               = ((L_max - L_cache) - |y|) / L_cache   L_max - L_cache < |y| <= L_max
-               = -1                                L_max < |y|
-  See "DAPO" (https://arxiv.org/abs/2503.14476), eq. 13.
-
-  Args:
-    lengths: float32[N], |y|: the generated tokens of each trajectory (all its turns).
-    max_tokens: L_max.
-    cache_tokens: L_cache in [0, L_max].
-
-  Returns:
-    float32[N], in [-1, 0].
-  """
-  chex.assert_rank(lengths, 1)
-  start = float(max_tokens - cache_tokens)
-  ramp = (start - lengths) / max(cache_tokens, 1)
-  return jnp.where(lengths > max_tokens, -1.0, jnp.where(lengths > start, ramp, 0.0)).astype(
-    jnp.float32
-  )
-
-
-def informative_groups(rewards: Array, group_ids: Array, row_valid: Array) -> tuple[Array, Array]:
-  """DAPO's dynamic-sampling filter: a group whose valid rows' rewards are all equal has no signal.
-
-  Args:
-    rewards: float32[N]; group_ids: int32[N] in [0, N); row_valid: bool[N].
-
-  Returns:
-    (keep bool[N]: valid rows of groups whose rewards differ, dropped groups float32 scalar:
-    groups with a valid row and all rewards equal).
-  """
-  chex.assert_rank([rewards, group_ids, row_valid], 1)
-  n = rewards.shape[0]
-  high = jax.ops.segment_max(jnp.where(row_valid, rewards, -jnp.inf), group_ids, num_segments=n)
-  low = jax.ops.segment_min(jnp.where(row_valid, rewards, jnp.inf), group_ids, num_segments=n)
-  present = jax.ops.segment_sum(row_valid.astype(jnp.float32), group_ids, num_segments=n) > 0
-  informative = high > low
-  dropped = jnp.sum((present & ~informative).astype(jnp.float32))
-  return row_valid & informative[group_ids], dropped
 
 
 def turn_discounts(turn_ids: Array, mask: Array, gamma: float) -> Array:
@@ -378,7 +336,7 @@ def aggregation_denominator(mask: Array, agg: str) -> Array:
   mini-batch's exactly. seq-mean-token-sum-norm's per-row constant C
   (`LearnerConfig.norm_length`, or L) is part of the row values, not of this count: it is
   the same in every micro-batch and chunk of a call (they all see the full width L,
-  `update._prefix_logprobs`), so it cancels in the micro-batch shares.
+  `shapes.prefix_logprobs`), so it cancels in the micro-batch shares.
   """
   if agg == "token-mean":
     return jnp.sum(mask)

@@ -5,7 +5,7 @@ returns `update(state, batch, key) -> (state, metrics)`. What differs between
 algorithms is read from the config's record (`config.spec`, `algorithms.py`).
 The update reads like the paper's algorithm box (SeeUPO, `spec.sequential`):
 
-    A   <- GRAE advantages of the trajectories               (_advantages)
+    A   <- GRAE advantages of the trajectories               (_ADVANTAGE_ESTIMATORS)
     M   <- 1 for every trajectory                            (objectives.Correction.start)
     for t in update_order(T):                                 (lax.scan: _update_turn)
       first pass: logp <- log pi at the current params       (_optimise_from_start)
@@ -29,22 +29,11 @@ The baselines (grpo, gspo, reinforce, rloo, ppo) run the same `_optimise` once
 on all turns. Everything is indexed by trajectory row: M, advantages and
 log-probs never move between rows, and a mini-batch is a gather of whole rows.
 
-Each turn computes only what it needs (`TurnShape`, `config.turn_buckets` = K):
-turn t's loss reads only the rows that have turn t, and, attention being
-causal, only the positions up to its last token. So each turn's passes run on
-those rows, compacted to the front of each mini-batch and cut into chunks of
-1/K of a micro-batch (chunks without such rows are skipped by `lax.cond`), and
-on the prefix that ends with the turn, rounded up to one of K static lengths
-ceil(k L / K) (`lax.switch` over K programs, one per length; the log-probs are
-padded back to L with zeros before the loss, so every loss and aggregation,
-Dr. GRPO's division by L (`norm_length` None) included, sees the full-width
-arrays). The first pass also covers the pending turn's tokens, from which M is
-corrected. The shape is
-chosen inside the one jitted update from the turn's masks, so one program
-serves every batch and the turn scan stays one scan body: compile time grows
-with K, not with num_turns. Rows and positions left out hold no token of the
-loss (their log-probs enter nothing but zeros), so the update is the same to
-float rounding.
+Each turn computes only what it needs (`config.turn_buckets` = K, `shapes.py`): its passes
+run on the rows that have the turn and on the prefix that ends with it, in one of K static
+shapes chosen inside the jitted update (`shapes.TurnShape`); the first pass also covers the
+pending turn's tokens, from which M is corrected. Rows and positions left out hold no token of
+the loss, so the update is the same to float rounding.
 
 A turn that no trajectory has is skipped by `lax.cond`: params and optimizer
 state stay bit-identical. A mini-batch without tokens of the turn, or whose
@@ -56,21 +45,25 @@ from __future__ import annotations
 
 import collections
 import functools
-import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
-import flax
 import jax
 import jax.numpy as jnp
 import optax
 
 from seeupo_jax import losses
+from seeupo_jax.learner import algorithms
 from seeupo_jax.learner import batch as batch_lib
+from seeupo_jax.learner import dapo
 from seeupo_jax.learner import metrics as metrics_lib
 from seeupo_jax.learner import objectives
 from seeupo_jax.learner import precision
+from seeupo_jax.learner import shapes as shape_lib
+from seeupo_jax.learner import sharded_jit
 from seeupo_jax.learner.batch import Batch
 from seeupo_jax.learner.config import LearnerConfig
+from seeupo_jax.learner.optimizer import default_optimizer  # noqa: F401
+from seeupo_jax.learner.shapes import TurnShape, TurnShapes  # noqa: F401
 from seeupo_jax.learner.state import TrainState
 
 Array = jax.Array
@@ -178,7 +171,7 @@ def _in_row_chunks(fn: Callable[[Batch], Array], batch: Batch, chunk_rows: int) 
 
 
 def _logprobs(
-  fns: UpdateFns, params: Params, batch: Batch, shape: Optional["TurnShape"] = None
+  fns: UpdateFns, params: Params, batch: Batch, shape: Optional[shape_lib.TurnShape] = None
 ) -> Array:
   """float32[N, L] log-probs at `params`, no gradient; with a `shape`, only its rows and
   prefix are computed (0 elsewhere)."""
@@ -189,22 +182,22 @@ def _logprobs(
     return jax.lax.stop_gradient(logp.astype(jnp.float32))
   n, length = batch.tokens.shape
   by_chunk = jnp.arange(n, dtype=jnp.int32).reshape(chunk, n // chunk).T  # strided, as above
-  rows, active = _compact_rows(by_chunk, shape.rows, _row_parts(config, chunk))
+  rows, active = shape_lib.compact_rows(by_chunk, shape.rows, shape_lib.row_parts(config, chunk))
 
   def forward(xs):
     chunk_rows, run = xs
     sub = batch_lib.take_rows(batch, chunk_rows)
 
     def at(prefix):
-      return _prefix_logprobs(fns.logprob_fn, params, sub, prefix).astype(jnp.float32)
+      return shape_lib.prefix_logprobs(fns.logprob_fn, params, sub, prefix).astype(jnp.float32)
 
     return jax.lax.cond(
       run,
-      lambda: _at_length(shape, length, at),
+      lambda: shape_lib.at_length(shape, length, at),
       lambda: jnp.zeros((chunk_rows.shape[0], length), jnp.float32),
     )
 
-  logp = _scatter_rows(rows, jax.lax.map(forward, (rows, active)), n)
+  logp = shape_lib.scatter_rows(rows, jax.lax.map(forward, (rows, active)), n)
   return jax.lax.stop_gradient(logp)
 
 
@@ -216,138 +209,6 @@ def _values(fns: UpdateFns, critic_params: Params, batch: Batch) -> Array:
 
 
 _MICRO_METRICS = ("nonfinite_logp",) + metrics_lib.LOSS
-
-# ----------------------------------------------------------------------------------------------
-# Where a SeeUPO turn's passes run: its rows and its prefix, in a few static shapes.
-
-
-@flax.struct.dataclass
-class TurnShape:
-  """Where one turn's passes run, chosen inside the jitted update from the tokens they need.
-
-  Attributes:
-    rows: bool[N], rows with a token the passes need (the turn's; for its first pass also
-      the pending turn's): the others are left out, in chunks (`_compact_rows`).
-    length: int32 scalar, index into `sizes`: the passes run on the prefix of that many
-      positions, the shortest that holds every needed token.
-    sizes: the static prefix lengths (`_prefix_lengths`), the last one L.
-  """
-
-  rows: Array
-  length: Array
-  sizes: tuple[int, ...] = flax.struct.field(pytree_node=False)
-
-
-def _length_buckets(config: LearnerConfig, length: int) -> tuple[int, ...]:
-  """The K static prefix lengths ceil(k L / K), k = 1..K (fewer if L < K); the last is L."""
-  k = config.turn_buckets
-  return tuple(sorted({-(-length * i // k) for i in range(1, k + 1)}))
-
-
-def _prefix_lengths(fns: "UpdateFns", params: Params, batch: Batch) -> tuple[int, ...]:
-  """The static prefix lengths of the turns' passes: `_length_buckets`, or (L,) (with a
-  warning) when `logprob_fn` does not run on a shorter batch (it must be causal and take any
-  length to be run on a prefix)."""
-  sizes = _length_buckets(fns.config, batch.tokens.shape[1])
-  if len(sizes) == 1:
-    return sizes
-  head = jax.tree.map(lambda x: x[:, : sizes[0]] if x.ndim == 2 else x, batch)
-  try:
-    out = jax.eval_shape(fns.logprob_fn, params, head)
-  except (TypeError, ValueError, AssertionError):  # AssertionError: chex's shape checks
-    out = None
-  if getattr(out, "shape", None) != head.tokens.shape:
-    warnings.warn(
-      "learner: logprob_fn does not run on a prefix of the batch (a shorter L), so SeeUPO's "
-      "turns run at full length (LearnerConfig.turn_buckets still leaves out rows)",
-      stacklevel=2,
-    )
-    return sizes[-1:]
-  return sizes
-
-
-def _turn_shape(
-  config: LearnerConfig, sizes: tuple[int, ...], needed: Array
-) -> Optional[TurnShape]:
-  """The `TurnShape` of the tokens `needed` (float32[N, L] > 0); None with turn_buckets = 1."""
-  if config.turn_buckets == 1:
-    return None
-  length = needed.shape[1]
-  on = needed > 0
-  end = jnp.max(jnp.where(on, jnp.arange(1, length + 1, dtype=jnp.int32)[None, :], 0))
-  index = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), end), len(sizes) - 1)
-  return TurnShape(jnp.any(on, axis=1), index.astype(jnp.int32), sizes)
-
-
-def _covered(shape: Optional[TurnShape], length: int) -> Array:
-  """float32[N, L] (or a scalar 1 without a shape): 1 on the positions a pass of `shape` computes."""
-  if shape is None:
-    return jnp.ones((), jnp.float32)
-  inside = jnp.arange(length)[None, :] < jnp.asarray(shape.sizes, jnp.int32)[shape.length]
-  return (shape.rows[:, None] & inside).astype(jnp.float32)
-
-
-def _row_parts(config: LearnerConfig, rows: int) -> int:
-  """Chunks per micro-batch of `rows` rows: the largest parts <= K that divides it.
-
-  Independent of the mesh, so that an update computes the same sums on any mesh; a chunk's
-  rows are split over the devices holding the batch where they divide (`take_rows`), so pick
-  micro-batches of a multiple of K x those devices' rows.
-  """
-  for parts in range(config.turn_buckets, 1, -1):
-    if rows % parts == 0:
-      return parts
-  return 1
-
-
-def _compact_rows(rows: Array, needed: Array, parts: int) -> tuple[Array, Array]:
-  """A mini-batch's rows with the needed ones first, in chunks, and which chunks to run.
-
-  Args:
-    rows: int32[micro, R], the mini-batch's rows by micro-batch.
-    needed: bool[N], rows the passes need.
-    parts: chunks per micro-batch (R % parts == 0).
-
-  Returns:
-    (int32[micro * parts, R / parts]: the same rows, needed ones first (stable), in
-    consecutive chunks; bool[micro * parts]: chunks that hold a needed row).
-  """
-  flat = rows.reshape(-1)
-  flat = flat[jnp.argsort(~needed[flat], stable=True)]
-  chunks = flat.reshape(rows.shape[0] * parts, -1)
-  count = jnp.sum(needed[flat].astype(jnp.int32))
-  return chunks, jnp.arange(chunks.shape[0]) * chunks.shape[1] < count
-
-
-def _prefix_logprobs(logprob_fn: LogprobFn, params: Params, batch: Batch, prefix: int) -> Array:
-  """logprob_fn on the first `prefix` positions (static), padded back to L with zeros.
-
-  Exact for a causal `logprob_fn` (entry j reads tokens[:, :j + 1] only): the entries kept
-  are those of the full pass.
-  """
-  length = batch.tokens.shape[1]
-  if prefix >= length:
-    return logprob_fn(params, batch)
-  head = jax.tree.map(lambda x: x[:, :prefix] if x.ndim == 2 else x, batch)
-  logp = logprob_fn(params, head)
-  return jnp.pad(logp, ((0, 0), (0, length - prefix)))
-
-
-def _at_length(shape: Optional[TurnShape], length: int, fn):
-  """fn(prefix) for the shape's length bucket (`lax.switch` over its static lengths), or
-  fn(L) without a shape (or with one length)."""
-  if shape is None or len(shape.sizes) == 1:
-    return fn(length)
-  branches = [functools.partial(fn, prefix) for prefix in shape.sizes]
-  return jax.lax.switch(shape.length, branches)
-
-
-def _scatter_rows(rows: Array, values: Array, num_rows: int) -> Array:
-  """values[..., R, ...] by `rows` (int32[..., R], a permutation of 0..N-1) back to row order."""
-  flat = values.reshape((-1,) + values.shape[rows.ndim :])
-  out = jnp.zeros((num_rows,) + flat.shape[1:], flat.dtype)
-  return out.at[rows.reshape(-1)].set(flat)
-
 
 # ----------------------------------------------------------------------------------------------
 # The optimisation ladder: _optimise -> _epoch -> _minibatch_step -> _micro_grads.
@@ -365,7 +226,7 @@ def _micro_grads(
   correction,
   denominators,
   rows,
-  shape: Optional["TurnShape"] = None,
+  shape: Optional[shape_lib.TurnShape] = None,
 ) -> MicroResult:
   """Gradient of one micro-batch's share of the mini-batch loss.
 
@@ -375,7 +236,7 @@ def _micro_grads(
   the full width L, is the same in every micro-batch: `objectives.aggregation_denominator`).
   With a `correction` (SeeUPO, fused: this forward pass is the turn's first) M is corrected
   from this pass's log-probs and the advantages weighed by it before the loss is formed
-  (`objectives.turn_inputs`). With a `shape` the model runs on its prefix only (`_at_length`:
+  (`objectives.turn_inputs`). With a `shape` the model runs on its prefix only (`shape_lib.at_length`:
   one forward and backward program per length bucket, the loss on the log-probs padded back
   to L).
   """
@@ -390,7 +251,7 @@ def _micro_grads(
   token_weight = jnp.sum(sub.mask) / jnp.maximum(token_denominator, 1.0)
 
   def loss_fn(params, critic_params, prefix):
-    logp = _prefix_logprobs(fns.logprob_fn, params, sub_batch, prefix)
+    logp = shape_lib.prefix_logprobs(fns.logprob_fn, params, sub_batch, prefix)
     seen = jax.lax.stop_gradient(logp)
     loss_inputs, applied = objectives.turn_inputs(seen, sub, sub_correction, config)
     loss, metrics = objectives.policy_loss(logp, loss_inputs, config)
@@ -415,7 +276,9 @@ def _micro_grads(
       functools.partial(loss_fn, prefix=prefix), argnums=(0, 1), has_aux=True
     )(state.params, state.critic_params)
 
-  (total, (metrics, logp, applied)), grads = _at_length(shape, sub_batch.tokens.shape[1], grads_at)
+  (total, (metrics, logp, applied)), grads = shape_lib.at_length(
+    shape, sub_batch.tokens.shape[1], grads_at
+  )
   return MicroResult(grads, total, metrics, logp, applied)
 
 
@@ -452,7 +315,7 @@ def _minibatch_step(
   state: TrainState,
   rows: Array,
   correction=None,
-  shape: Optional[TurnShape] = None,
+  shape: Optional[shape_lib.TurnShape] = None,
 ) -> StepResult:
   """One optimizer step on the rows `rows` (int32[microbatches, R]).
 
@@ -460,14 +323,16 @@ def _minibatch_step(
   and gradient are finite; otherwise the state is returned unchanged (a
   non-finite step is counted in `skipped_updates`). `correction`: see `_micro_grads`.
   With a `shape` the rows it needs go first, in chunks of R / parts rows
-  (`_compact_rows`); a chunk without them is skipped (zero gradient, its log-probs 0,
+  (`shape_lib.compact_rows`); a chunk without them is skipped (zero gradient, its log-probs 0,
   its M unchanged), and each chunk runs on the shape's prefix.
   """
   config = fns.config
   if shape is None:
     active = jnp.ones(rows.shape[:1], bool)
   else:
-    rows, active = _compact_rows(rows, shape.rows, _row_parts(config, rows.shape[1]))
+    rows, active = shape_lib.compact_rows(
+      rows, shape.rows, shape_lib.row_parts(config, rows.shape[1])
+    )
   masks = inputs.mask[rows]  # [chunks, R, L]
   denominators = (
     jnp.sum(jax.vmap(lambda m: objectives.aggregation_denominator(m, config.agg))(masks)),
@@ -529,7 +394,7 @@ def _minibatch_step(
 
 def _epoch(fns: UpdateFns, batch: Batch, inputs, shape, state: TrainState, epoch_key: Array):
   """One pass over the rows in a fresh random order, one optimizer step per mini-batch
-  (with a `TurnShape`, on its rows and prefix: `_minibatch_step`)."""
+  (with a `shape_lib.TurnShape`, on its rows and prefix: `_minibatch_step`)."""
   config = fns.config
   n = batch.num_rows
   micro = _micro_rows(config, n)
@@ -545,7 +410,7 @@ def _epoch(fns: UpdateFns, batch: Batch, inputs, shape, state: TrainState, epoch
 
 def _optimise(fns: UpdateFns, state: TrainState, batch: Batch, inputs, key: Array, shape=None):
   """`epochs` x `minibatches` optimizer steps on `inputs` (a `LossInputs` over all N rows;
-  with a `TurnShape`, each step runs on its rows and prefix).
+  with a `shape_lib.TurnShape`, each step runs on its rows and prefix).
 
   Returns:
     (state, StepStats of shape [epochs, minibatches]).
@@ -567,7 +432,7 @@ def _optimise_from_start(
   inputs,
   key: Array,
   correction: Optional[objectives.Correction] = None,
-  shapes: Optional["TurnShapes"] = None,
+  shapes: Optional[shape_lib.TurnShapes] = None,
 ) -> OptimiseResult:
   """First pass -> (SeeUPO: correct M -> A * M) -> `_optimise`.
 
@@ -588,8 +453,8 @@ def _optimise_from_start(
     micro = _micro_rows(fns.config, n)
     rows = jnp.arange(n, dtype=jnp.int32).reshape(micro, fns.config.microbatches).T
     step = _minibatch_step(fns, batch, inputs, state, rows, correction, first_shape)
-    first_logp = _scatter_rows(step.rows, step.logp, n)  # back to row order
-    applied = _scatter_rows(step.rows, step.correction, n)
+    first_logp = shape_lib.scatter_rows(step.rows, step.logp, n)  # back to row order
+    applied = shape_lib.scatter_rows(step.rows, step.correction, n)
     stats = jax.tree.map(lambda x: x[None, None], step.stats)
     return OptimiseResult(step.state, stats, first_logp, applied)
   first_logp = _logprobs(fns, state.params, batch, first_shape)
@@ -601,14 +466,6 @@ def _optimise_from_start(
 
 # ----------------------------------------------------------------------------------------------
 # SeeUPO's turn loop.
-
-
-class TurnShapes(NamedTuple):
-  """Where a turn's passes run (`TurnShape`s): its first pass needs the turn's tokens and the
-  pending turn's (M's "after" log-probs); its optimizer steps only the turn's."""
-
-  first: TurnShape
-  steps: TurnShape
 
 
 class TurnCarry(NamedTuple):
@@ -654,16 +511,18 @@ def _update_turn(
     optimise     epochs x mini-batches of steps on the turn's tokens, old log-probs = logp
   (`_optimise_from_start`; fused, the first pass is the only step's own forward pass). No
   pass runs after the last turn: its factor would weigh no later turn. Every pass runs on
-  the rows and the prefix its tokens need (`TurnShapes`; module doc).
+  the rows and the prefix its tokens need (`shape_lib.TurnShapes`; module doc).
   """
   config = fns.config
   turn = xs
   mask = batch_lib.turn_mask(batch, turn)
   rows = jnp.any(mask > 0, axis=1)
   has_turn = jnp.any(rows)
-  first_shape = _turn_shape(config, sizes, mask + carry.correction.pending_mask)
+  first_shape = shape_lib.turn_shape(config, sizes, mask + carry.correction.pending_mask)
   shapes = (
-    None if first_shape is None else TurnShapes(first_shape, _turn_shape(config, sizes, mask))
+    None
+    if first_shape is None
+    else shape_lib.TurnShapes(first_shape, shape_lib.turn_shape(config, sizes, mask))
   )
 
   def run(carry: TurnCarry):
@@ -687,7 +546,7 @@ def _update_turn(
   metrics["trajectories"] = jnp.sum(rows.astype(jnp.float32))
   # Over the generated tokens the first pass computed (at the first turn updated: the rows
   # with that turn, up to its end).
-  covered = _covered(first_shape, batch.tokens.shape[1])
+  covered = shape_lib.covered(first_shape, batch.tokens.shape[1])
   metrics.update(_sample_gap(batch, logp, generated * covered))
   return new_carry, metrics
 
@@ -703,7 +562,7 @@ def _sequential_update(fns, state, batch, generated, advantages, ref_logp, key) 
     custom=config.custom_order or None,
   )
   has_turn = batch_lib.turns_present(batch, config.num_turns)  # bool[T] by turn id
-  sizes = _prefix_lengths(fns, state.params, batch)
+  sizes = shape_lib.prefix_lengths(config, fns.logprob_fn, state.params, batch)
   body = functools.partial(
     _update_turn, fns, batch, generated, advantages, ref_logp, sizes, turn_key
   )
@@ -731,14 +590,28 @@ def _sample_gap(batch: Batch, logp: Array, mask: Array) -> dict[str, Array]:
   }
 
 
-def _advantages(fns: UpdateFns, state: TrainState, batch: Batch, mask: Array):
-  """(advantages float32[N] or [N, L], PPO's old values and returns or None) by the record's
-  `advantage`."""
+class Advantages(NamedTuple):
+  """What an advantage estimator gives the losses (`_ADVANTAGE_ESTIMATORS`)."""
+
+  advantages: Array  # float32[N] (one per trajectory) or [N, L] (per token)
+  old_values: Optional[Array] = None  # float32[N, L], the critic's values (GAE only)
+  returns: Optional[Array] = None  # float32[N, L], the critic's targets (GAE only)
+
+
+def _gae_advantages(fns: UpdateFns, state: TrainState, batch: Batch, mask: Array) -> Advantages:
+  """GAE from the critic's values at the starting critic params (`objectives.ppo_advantages`)."""
+  old_values = _values(fns, state.critic_params, batch)
+  advantages, returns = objectives.ppo_advantages(batch.rewards, old_values, mask, fns.config)
+  return Advantages(advantages, old_values, returns)
+
+
+def _trajectory_advantages(
+  fns: UpdateFns, state: TrainState, batch: Batch, mask: Array
+) -> Advantages:
+  """One advantage per trajectory (`objectives.trajectory_advantages`), discounted per turn
+  ([N, L]) when gamma < 1."""
+  del state
   config = fns.config
-  if config.spec.advantage == "gae":
-    old_values = _values(fns, state.critic_params, batch)
-    advantages, returns = objectives.ppo_advantages(batch.rewards, old_values, mask, config)
-    return advantages, old_values, returns
   advantages = objectives.trajectory_advantages(
     batch.rewards, batch.group_ids, batch.row_valid, config
   )
@@ -746,7 +619,16 @@ def _advantages(fns: UpdateFns, state: TrainState, batch: Batch, mask: Array):
     # [N, L]: turn t of a row with T_i turns gets A * gamma^(T_i - 1 - t).
     turn_discounts = objectives.turn_discounts(batch.turn_ids, mask, config.gamma)
     advantages = advantages[:, None] * turn_discounts
-  return advantages, None, None
+  return Advantages(advantages)
+
+
+_ADVANTAGE_ESTIMATORS = {
+  "grae": _trajectory_advantages,
+  "rloo": _trajectory_advantages,
+  "gae": _gae_advantages,
+}
+"""`Algorithm.advantage` -> its estimator (fns, state, batch, mask) -> `Advantages`."""
+assert set(_ADVANTAGE_ESTIMATORS) == set(algorithms.ADVANTAGES), algorithms.ADVANTAGES
 
 
 def _sequential_metrics(result: SequentialResult) -> dict[str, Array]:
@@ -780,38 +662,19 @@ def _check_state(fns: UpdateFns, state: TrainState) -> None:
     )
 
 
-def _shape_rewards(config: LearnerConfig, batch: Batch) -> tuple[Batch, dict[str, Array]]:
-  """DAPO's options on the batch: dynamic sampling (rows of groups whose rewards are all equal
-  become invalid rows) and overlong reward shaping; with both off the batch is unchanged."""
-  metrics = {}
-  if config.dynamic_sampling:
-    keep, dropped = objectives.informative_groups(batch.rewards, batch.group_ids, batch.row_valid)
-    metrics["groups_dropped"] = dropped
-    metrics["rows_dropped"] = jnp.sum((batch.row_valid & ~keep).astype(jnp.float32))
-    batch = batch.replace(row_valid=keep)
-  if config.overlong_max_tokens is not None:
-    lengths = jnp.sum(batch_lib.generated_mask(batch, config.num_turns), axis=1)
-    penalty = objectives.overlong_penalty(
-      lengths, config.overlong_max_tokens, config.overlong_cache_tokens
-    )
-    metrics["overlong_penalty_mean"] = jnp.sum(penalty * batch.row_valid) / jnp.maximum(
-      jnp.sum(batch.row_valid.astype(jnp.float32)), 1.0
-    )
-    batch = batch.replace(rewards=batch.rewards.astype(jnp.float32) + penalty)
-  return batch, metrics
-
-
 def update(fns: UpdateFns, state: TrainState, batch: Batch, key: Array):
   """One training iteration; see the module doc and `make_update`."""
   config = fns.config
   batch_lib.check_shapes(batch)
   _check_state(fns, state)
-  batch, shaping_metrics = _shape_rewards(config, batch)
+  batch, shaping_metrics = dapo.shape_rewards(config, batch)
   mask = batch_lib.generated_mask(batch, config.num_turns)
   ref_logp = None
   if config.kl_coef > 0:
     ref_logp = _logprobs(fns, state.ref_params, batch)
-  advantages, old_values, returns = _advantages(fns, state, batch, mask)
+  advantages, old_values, returns = _ADVANTAGE_ESTIMATORS[config.spec.advantage](
+    fns, state, batch, mask
+  )
   tis = config.tis != "off"
 
   if config.spec.sequential:
@@ -847,38 +710,6 @@ def update(fns: UpdateFns, state: TrainState, batch: Batch, key: Array):
   metrics["advantage_abs_mean"] = jnp.sum(jnp.abs(advantage_rows) * mask) / tokens
   metrics["generated_tokens"] = jnp.sum(mask)
   return state.replace(step=state.step + 1), metrics
-
-
-def _jit_keeping_state_shardings(step, donate_argnums):
-  """jax.jit(step) whose output state keeps the input state's `NamedSharding`s.
-
-  Left to XLA's sharding propagation, an output leaf may come back re-sharded
-  (seen: on a data=2 x fsdp=4 mesh the replicated RMSNorm scales and their Adam
-  moments came back sharded over "fsdp"), which moves params off their rules and
-  recompiles the next call. So the state's output shardings are pinned to its
-  input's (one jit per distinct sharding tree); leaves without a NamedSharding
-  (single device, uncommitted) and the metrics are left to the compiler.
-  """
-  compiled = {}
-
-  def sharding_of(x):
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-      if isinstance(x.sharding, jax.sharding.NamedSharding):
-        return x.sharding
-    return None
-
-  @functools.wraps(step)
-  def run(state, batch, key):
-    leaves, treedef = jax.tree.flatten(state)
-    shardings = tuple(sharding_of(x) for x in leaves)
-    if (treedef, shardings) not in compiled:
-      out_shardings = (jax.tree.unflatten(treedef, shardings), None)
-      compiled[treedef, shardings] = jax.jit(
-        step, donate_argnums=donate_argnums, out_shardings=out_shardings
-      )
-    return compiled[treedef, shardings](state, batch, key)
-
-  return run
 
 
 def make_update(
@@ -936,22 +767,4 @@ def make_update(
   step = functools.partial(update, fns)
   if not jit:
     return step
-  return _jit_keeping_state_shardings(step, donate_argnums=(0,) if donate else ())
-
-
-def default_optimizer(
-  learning_rate: float = 1e-6,
-  weight_decay: float = 0.01,
-  max_grad_norm: float = 1.0,
-  b1: float = 0.9,
-  b2: float = 0.999,
-) -> optax.GradientTransformation:
-  """The authors' optimizer: global-norm clip, then AdamW (constant learning rate).
-
-  With bf16 params `init_state` wraps it in float32 master weights
-  (`precision.with_master_weights`); at lr 1e-6 a bf16 weight could not move otherwise.
-  """
-  return optax.chain(
-    optax.clip_by_global_norm(max_grad_norm),
-    optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay),
-  )
+  return sharded_jit.jit_keeping_state_shardings(step, donate_argnums=(0,) if donate else ())

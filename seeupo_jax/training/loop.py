@@ -1,0 +1,198 @@
+"""The training loop: rollouts -> (dynamic sampling) -> collate -> update, each iteration's
+metrics handed to a `progress_fn(iteration, metrics)`, checkpoints saved as it goes.
+
+One iteration:
+
+    tasks  = the next B training tasks (TaskStream, resumable)
+    result = roller.run(params, tasks, n, key_rollout)      # N = B x n trajectories
+    (dynamic sampling: refill_informative_groups, more tasks for groups without signal)
+    batch  = collate(result.trajectories)                   # tokens exactly as sampled
+    state  = update(state, batch, key_update)               # SeeUPO or a baseline
+    progress_fn(iteration, metrics)                          # the writers (`writers.py`)
+
+The loop writes no file itself: the writers are the caller's (`trainer.train`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from seeupo_jax import learner
+from seeupo_jax import rollout
+from seeupo_jax.training import checkpoints
+from seeupo_jax.training import config as config_lib
+from seeupo_jax.training import evaluation
+from seeupo_jax.training import metrics_log
+from seeupo_jax.training.dynamic_sampling import refill_informative_groups
+from seeupo_jax.training.program import Program
+from seeupo_jax.training.tasks import TaskStream
+from seeupo_jax.training.writers import ProgressFn, say
+
+
+def run(
+  config: config_lib.TrainConfig,
+  program: Program,
+  state,
+  rng: jax.Array,
+  stream: TaskStream,
+  iteration: int,
+  *,
+  checkpointer: checkpoints.Checkpointer,
+  progress_fn: ProgressFn,
+  trajectories_fn: Callable[[int, Any], None],
+) -> tuple[Any, dict[str, float]]:
+  """Trains from `iteration` to `config.num_iterations`; returns (state, the last metrics).
+
+  Args:
+    config: the typed training config.
+    program: the built program (`program.build`).
+    state: the learner's `TrainState` at `iteration`.
+    rng: the training key at `iteration` (checkpointed with the state).
+    stream: the training tasks, at the position of `iteration`.
+    iteration: the iterations done so far.
+    checkpointer: saves the state, the key and the stream's position (`should_save`, and
+      always after the last iteration).
+    progress_fn: called with (iteration, metrics) after each iteration's update and evaluation.
+    trajectories_fn: called with (iteration, this process's trajectories), on every process.
+  """
+  k = config.eval.k
+  eval_ids = list(program.spec.task_ids("eval"))[: config.eval.num_tasks]
+  last: dict[str, float] = {}
+  dynamic_sampling = program.learner_config.dynamic_sampling
+  # With dynamic sampling the batch keeps B x n rows, padded where informative groups ran short
+  # (each process its block of them).
+  num_rows = config.rollout.tasks_per_iteration * config.rollout.samples_per_task
+  global_rows = num_rows
+  num_rows = num_rows // program.processes.count if dynamic_sampling else None
+  with jax.set_mesh(program.mesh):
+    while iteration < config.num_iterations:
+      t0 = time.perf_counter()
+      rng, k_rollout, k_update = jax.random.split(rng, 3)
+      tasks = stream.take(config.rollout.tasks_per_iteration)
+      with jax.set_mesh(program.decode.mesh):  # the sampler on the decode layout
+        # The key comes from the learner's (checkpointed, on the learner's mesh): replicated
+        # on the decode mesh like every other input of the sampler.
+        k_rollout = _key_on(k_rollout, program.decode.mesh)
+        decode_params = program.decode(state.params)
+        result = program.roller.run(
+          decode_params, tasks, config.rollout.samples_per_task, k_rollout
+        )
+        if dynamic_sampling:  # DAPO: more tasks until the batch holds B informative groups
+          result = refill_informative_groups(
+            program.roller,
+            stream,
+            decode_params,
+            k_rollout,
+            result,
+            tasks_per_iteration=config.rollout.tasks_per_iteration,
+            samples_per_task=config.rollout.samples_per_task,
+            max_refills=program.learner_config.dapo_max_refills,
+          )
+      t1 = time.perf_counter()
+      # This process's rows of the batch; their length is the whole batch's.
+      longest = max((len(t.tokens) for t in result.trajectories), default=1)
+      batch = rollout.collate(
+        result.trajectories,
+        num_turns=program.learner_config.num_turns,
+        max_len=config.rollout.max_context_tokens,
+        num_rows=num_rows,
+        longest=max(program.processes.allgather(longest)),
+      )
+      learner.validate(batch, program.learner_config.num_turns, num_rows=global_rows)
+      state, learner_metrics = program.update(
+        state, learner.shard_batch(batch, program.mesh), k_update
+      )
+      learner_metrics = jax.device_get(learner_metrics)
+      t2 = time.perf_counter()
+      iteration += 1
+      metrics = dict(result.metrics)
+      metrics.update(_scalars(learner_metrics))
+      metrics["time/rollout"] = t1 - t0
+      metrics["time/update"] = t2 - t1
+      metrics["time/iteration"] = t2 - t0
+      metrics["time/env_wait_share"] = result.metrics["rollout/env_wait_time"] / (t2 - t0)
+      if _due(iteration, config.eval.every, config.num_iterations):
+        metrics.update(_evaluate(program, state, eval_ids, config, iteration, k))
+      progress_fn(iteration, metrics)
+      trajectories_fn(iteration, result.trajectories)
+      last = metrics
+      final = iteration == config.num_iterations
+      if checkpointer.should_save(iteration) or final:
+        progress = {"iteration": iteration, "task_position": stream.position}
+        checkpointer.save(iteration, state, rng, progress, force=final)
+  return state, last
+
+
+def _scalars(metrics: dict, prefix: str = "") -> dict[str, float]:
+  """Flattens learner metrics: scalars as they are, per-turn arrays as <name>/t<k>.
+
+  Per-turn values exist only for the turns some trajectory reached (`turn/trajectories` > 0):
+  the learner's arrays hold placeholders for the others (0, or +-inf for M_min and M_max), which
+  are left out, as are the M statistics when no turn was updated (`turns_updated` 0).
+  """
+  present = metrics.get("turn/trajectories")
+  present = None if present is None else np.asarray(present) > 0
+  none_updated = "turns_updated" in metrics and float(np.asarray(metrics["turns_updated"])) == 0
+  out = {}
+  for name, value in metrics.items():
+    value = np.asarray(value)
+    if value.ndim == 0:
+      if none_updated and name in learner.metrics.CORRECTION:
+        continue
+      out[prefix + name] = float(value)
+    elif value.ndim == 1:
+      for k, v in enumerate(value):
+        if present is not None and not present[k]:
+          continue
+        out[f"{prefix}{name}/t{k}"] = float(v)
+  return out
+
+
+def _replicated_key(seed: int, mesh: jax.sharding.Mesh) -> jax.Array:
+  """The PRNG key of `seed`, replicated on `mesh` (with many processes a global array, as the
+  learner state it is checkpointed and used with)."""
+  return jax.jit(lambda: jax.random.key(seed), out_shardings=NamedSharding(mesh, P()))()
+
+
+def _key_on(key: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
+  """A replicated PRNG key (of the learner's mesh) replicated on `mesh` (the sampler's, this
+  process's devices): through its key data on the host, a few bytes."""
+  data = np.asarray(jax.random.key_data(key))
+  return jax.device_put(
+    jax.random.wrap_key_data(data, impl=jax.random.key_impl(key)), NamedSharding(mesh, P())
+  )
+
+
+def _due(iteration: int, every: int, total: int) -> bool:
+  """Whether iteration `iteration` (1-based) of `total` is evaluated: every `every`, and the last."""
+  return (every > 0 and iteration % every == 0) or iteration == total
+
+
+def _evaluate(program: Program, state, eval_ids, config, iteration: int, k: int) -> dict:
+  """avg@k / pass@k of the state's policy on `eval_ids` (under "eval/"), and "time/eval"; the
+  table printed."""
+  k_eval = 1 if config.eval.greedy else k
+  t0 = time.perf_counter()
+  with jax.set_mesh(program.decode.mesh):  # the sampler on the decode layout
+    scores = evaluation.evaluate(
+      program.eval_roller,
+      program.decode(state.params),
+      eval_ids,
+      k_eval,
+      _eval_key(config.seed, iteration),
+      config.eval.tasks_per_call,
+    )
+  out = {f"eval/{name}": value for name, value in scores.items()}
+  out["time/eval"] = time.perf_counter() - t0
+  row = {"iteration": iteration, **{n: v for n, v in scores.items()}}
+  say(metrics_log.format_table([row], list(row)), program)
+  return out
+
+
+def _eval_key(seed: int, iteration: int) -> jax.Array:
+  return jax.random.fold_in(jax.random.key(seed + 1_000_003), iteration)

@@ -1,0 +1,282 @@
+"""Building the training program from its typed config: model, tokenizer, learner update, rollers.
+
+`build(config)` makes every part `train` runs (a `Program`) and checks what the config alone
+cannot (the processes, the devices, the environment), raising ConfigError for a bad value. The
+config comes typed (`config.typed`, at the program boundary: `trainer`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from seeupo_jax.text import chat_tokens
+from seeupo_jax.sampling import layout as decode_layout
+from seeupo_jax import distributed
+from seeupo_jax import envs
+from seeupo_jax import learner
+from seeupo_jax import rollout
+from seeupo_jax import sampling
+from seeupo_jax import sharding as sharding_lib
+from seeupo_jax.text import tokenizer as tokenizer_lib
+from seeupo_jax.models import checkpoint as hf_checkpoint
+from seeupo_jax.models import config as model_config_lib
+from seeupo_jax.models import qwen
+from seeupo_jax.training import config as config_lib
+
+ConfigError = config_lib.ConfigError
+TrainConfig = config_lib.TrainConfig
+
+
+@contextlib.contextmanager
+def _config_values(section: str):
+  """Turns the ValueError or TypeError that a config dataclass (or the mesh, the environment's
+  options, ...) raises for a bad value of config section `section` into a ConfigError.
+
+  Only around the calls that validate the config: elsewhere such an error is a bug and keeps
+  its traceback.
+  """
+  try:
+    yield
+  except (ConfigError, envs.EnvironmentUnavailable):
+    raise
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"{section}: {e}") from e
+
+
+@dataclasses.dataclass
+class Program:
+  """Everything `train` builds from the config (exposed for tests and notebooks)."""
+
+  model_config: model_config_lib.ModelConfig
+  tokenizer: Any
+  chat: chat_tokens.ChatTokens
+  spec: envs.EnvSpec
+  mesh: jax.sharding.Mesh
+  learner_config: learner.LearnerConfig
+  roller: rollout.Roller
+  eval_roller: rollout.Roller
+  decode: decode_layout.DecodeLayout  # the rollers' params: tensor-parallel, compute dtype
+  env_workers: rollout.EnvWorkers  # shared by both rollers; `close` shuts them down
+  update: Any
+  init_state: Any  # () -> TrainState
+  processes: distributed.Processes = distributed.Processes()  # who plays what, who writes
+
+  def close(self) -> None:
+    """Stops the rollers' threads and the env workers (worker processes)."""
+    self.roller.close()
+    self.eval_roller.close()
+    self.env_workers.shutdown()
+
+
+def build_model(config: TrainConfig):
+  """(ModelConfig, tokenizer, params loader) from `config.model`."""
+  m = config.model
+  overrides = dict(
+    dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, scan_layers=m.scan_layers
+  )
+  if m.path:
+    if not os.path.isdir(m.path):
+      raise ConfigError(f"model.path={m.path!r} is not a local checkpoint directory")
+    try:  # the headers of every safetensors file too: a truncated file fails here, not later
+      model_config = hf_checkpoint.load_config(m.path, **overrides)
+      hf_checkpoint.check_files(m.path)
+      tokenizer = tokenizer_lib.load_tokenizer(m.path)
+    except (OSError, ValueError) as e:
+      raise ConfigError(f"model.path={m.path!r}: {e}") from e
+
+    def load(mesh, key):
+      del key
+      return hf_checkpoint.load(m.path, mesh, **overrides)[1]
+
+  else:
+    if not m.preset:
+      raise ConfigError(
+        f"no model: pass --config.model.path=/path/to/a/local/Qwen3-checkpoint (the paper trains "
+        f"Qwen3-14B on {config.env.name}); --config.model.preset=qwen3-tiny builds a tiny model "
+        "from scratch, only to check the pipeline"
+      )
+    try:
+      model_config = model_config_lib.get_preset(m.preset, **overrides)
+    except ValueError as e:
+      raise ConfigError(f"model.preset: {e}") from None
+    tokenizer = tokenizer_lib.build_default_tokenizer(model_config.vocab_size)
+
+    def load(mesh, key):
+      params = qwen.init_params(model_config, key)
+      return learner.shard_params(params, mesh)
+
+  if len(tokenizer) > model_config.vocab_size:
+    raise ConfigError(
+      f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+      f"{model_config.vocab_size}"
+    )
+  return model_config, tokenizer, load
+
+
+def build_optimizer(o: config_lib.OptimizerSection) -> optax.GradientTransformation:
+  """`learner.default_optimizer` with the values of the config's `optimizer` section."""
+  return learner.default_optimizer(
+    o.learning_rate,
+    weight_decay=o.weight_decay,
+    max_grad_norm=o.max_grad_norm,
+    warmup_steps=o.warmup_steps,
+  )
+
+
+def build(config: TrainConfig) -> Program:
+  """Builds the program's parts from the typed training config (`config_lib.typed`).
+
+  Only the config's checks raise ConfigError (what needs the processes, the devices or the
+  environment); any other exception is a bug and propagates as it is.
+
+  Raises:
+    ConfigError: a bad value (the message names the key and what is allowed).
+    envs.EnvironmentUnavailable: the config's environment cannot run here.
+  """
+  if not isinstance(config, TrainConfig):
+    raise TypeError(f"build takes a TrainConfig (config_lib.typed), got {type(config).__name__}")
+  processes = distributed.Processes.current()
+  env_name = config.env.name
+  r = config.rollout
+  if processes.count > 1 and r.tasks_per_iteration % processes.count:
+    raise ConfigError(
+      f"rollout.tasks_per_iteration={r.tasks_per_iteration} must be divisible by the "
+      f"{processes.count} processes (each plays tasks_per_iteration / processes groups)"
+    )
+  with _config_values("env"):
+    spec = envs.make_spec(
+      env_name,
+      envs.process_options(
+        env_name, config.env_options(), processes.index, processes.count, processes.local_index
+      ),
+    )
+  model_config, tokenizer, load_params = build_model(config)
+  with _config_values("chat_template_kwargs"):
+    chat = chat_tokens.ChatTokens(tokenizer, dict(config.chat_template_kwargs))
+  with _config_values("mesh"):
+    mesh = sharding_lib.make_mesh(**dataclasses.asdict(config.mesh))
+  if processes.count > 1:
+    _check_row_blocks(mesh, r.tasks_per_iteration * r.samples_per_task, processes)
+
+  stops = tuple(sorted(set(tokenizer_lib.stop_token_ids(tokenizer)) | {chat.end_of_turn_id}))
+  pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+  if processes.count > 1 and r.decode_slots % processes.count:
+    raise ConfigError(
+      f"rollout.decode_slots={r.decode_slots} must be divisible by the {processes.count} "
+      "processes (each samples on decode_slots / processes rows)"
+    )
+  sampling_config = sampling.SamplingConfig(
+    max_new_tokens=r.max_reply_tokens,
+    temperature=r.temperature,
+    top_k=r.top_k,
+    top_p=r.top_p,
+    stop_token_ids=stops,
+    pad_id=pad_id,
+  )
+  rollout_config = r.rollout_config()
+  session_config = r.session_config(processes.count)
+  eval_sampling = dataclasses.replace(sampling_config, greedy=config.eval.greedy)
+  learner_config = config.learner
+  optimizer = build_optimizer(config.optimizer)
+  logprob_fn = learner.qwen_logprob_fn(model_config, temperature=r.temperature)
+  ppo = learner_config.spec.critic
+  critic_optimizer = build_optimizer(config.optimizer) if ppo else None
+  update = learner.make_update(
+    logprob_fn,
+    optimizer,
+    learner_config,
+    value_fn=learner.qwen_value_fn(model_config) if ppo else None,
+    critic_optimizer=critic_optimizer,
+  )
+
+  # Worker processes start last, once everything else in the config has checked out.
+  # The sampler decodes with its own copy of the params (tensor-parallel, compute dtype).
+  with _config_values("rollout.decode_tensor_parallel"):
+    decode = decode_layout.DecodeLayout(
+      model_config, mesh, tensor=config.rollout.decode_tensor_parallel or None
+    )
+  cache_sharding = decode.cache_sharding
+  env_workers = rollout.make_workers(spec, rollout_config.worker_config(spec.isolation))
+  try:
+    roller, eval_roller = (
+      rollout.Roller(
+        spec,
+        chat,
+        config=rollout_config,
+        policy=rollout.SamplerPolicy(
+          sampling.SamplerSession(
+            decode.model_config, sampler_config, session_config, cache_sharding=cache_sharding
+          )
+        ),
+        workers=env_workers,
+        processes=processes,
+      )
+      for sampler_config in (sampling_config, eval_sampling)
+    )
+  except BaseException:
+    env_workers.shutdown()
+    raise
+
+  def init_state():
+    key = jax.random.key(config.seed)
+    k_params, k_critic = jax.random.split(key)
+    params = load_params(mesh, k_params)
+    critic = None
+    if ppo:
+      # The critic's trunk starts as a copy of the policy (its own buffers: the update donates both).
+      trunk = jax.tree.map(jnp.copy, params)
+      critic = learner.shard_params(learner.init_qwen_critic(model_config, k_critic, trunk), mesh)
+    ref = params if learner_config.kl_coef > 0 else None
+    return learner.init_state(
+      params,
+      optimizer,
+      ref_params=ref,
+      critic_params=critic,
+      critic_optimizer=critic_optimizer,
+      master_weights=config.optimizer.master_weights,
+    )
+
+  return Program(
+    model_config=model_config,
+    tokenizer=tokenizer,
+    chat=chat,
+    spec=spec,
+    mesh=mesh,
+    learner_config=learner_config,
+    roller=roller,
+    eval_roller=eval_roller,
+    decode=decode,
+    env_workers=env_workers,
+    update=update,
+    init_state=init_state,
+    processes=processes,
+  )
+
+
+def _check_row_blocks(mesh: jax.sharding.Mesh, rows: int, processes) -> None:
+  """Each process's devices must hold one contiguous block of the batch's rows, its own.
+
+  The global batch is built from each process's rows (`learner.shard_batch`): process p's
+  B x n / P rows are rows [p x B x n / P, (p + 1) x B x n / P) of the batch.
+  """
+  spec = sharding_lib.fit_spec(P(sharding_lib.BATCH), (rows,), mesh)
+  held = NamedSharding(mesh, spec).addressable_devices_indices_map((rows,)).values()
+  starts = {index[0].start or 0 for index in held}
+  stops = {rows if index[0].stop is None else index[0].stop for index in held}
+  block = processes.block(rows)
+  if spec == P(None) or min(starts) != block.start or max(stops) != block.stop:
+    raise ConfigError(
+      f"mesh {dict(mesh.shape)}: the batch's {rows} rows (tasks_per_iteration x "
+      f"samples_per_task) are not split into one block per process over the mesh's "
+      f"(data, fsdp) axes (process {processes.index} holds rows {sorted(starts)} .. "
+      f"{sorted(stops)}, its block is {block.start} .. {block.stop}); make data x fsdp a "
+      "multiple of the processes that divides the rows"
+    )
