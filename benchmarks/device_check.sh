@@ -14,7 +14,7 @@
 #
 # On a CPU, `PRESET=qwen3-tiny SEQ=64 BATCH=2 NEW=8 BLOCKS=256 ROUNDS=1 TURN_BUCKETS=1
 # SKIP_TESTS=1 bash benchmarks/device_check.sh` runs the benchmark steps small
-# (tests/test_benchmarks.py does so), so the script keeps working without a GPU; TEST_PLATFORM=cpu
+# (tests/benchmarks/test_benchmarks.py does so), so the script keeps working without a GPU; TEST_PLATFORM=cpu
 # instead of SKIP_TESTS=1 runs the tests on the CPU.
 set -uo pipefail
 OUT=${OUT:-/tmp/device_check}
@@ -52,7 +52,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log, remember a failure, go on
     --turn-buckets "$TURN_BUCKETS" --peak-tflops 989
   if [ -z "${SKIP_TESTS:-}" ]; then  # tests/conftest.py defaults JAX_PLATFORMS to cpu
     step "parity tests" 240 env JAX_PLATFORMS="${TEST_PLATFORM:-cuda}" "$PY" -m pytest -q \
-      -p no:cacheprovider -m parity tests/test_checkpoint.py tests/test_sampling_parity.py
+      -p no:cacheprovider -m parity tests/models/test_checkpoint.py tests/sampling/test_sampling_parity.py
   fi
   echo "=== exit status $status"
   exit "$status"

@@ -2,6 +2,11 @@
 fixtures many files share (`tok`, `chat`: the tiny tokenizer of `tests/tiny.py` and its
 `ChatTokens`).
 
+The test files sit in folders that mirror the package (`tests/sampling/`, `tests/rollout/`, ...);
+the modules they share (`tiny.py`, the NumPy references, the fake servers and scripted
+environments) sit here, at the top of `tests/`, which this file puts on `sys.path` first thing, so
+every folder imports them by their plain names (and processes spawned from a test inherit it).
+
 XLA_FLAGS must be set before jax is imported anywhere, so it is set here, at
 the top of the first module pytest imports.
 
@@ -28,7 +33,12 @@ the test checks that they run, not their numbers (`pytest --nbmake notebooks` ru
 
 import os
 import shutil
+import sys
 import tempfile
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in sys.path:
+  sys.path.insert(0, _TESTS)
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

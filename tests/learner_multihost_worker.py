@@ -1,6 +1,6 @@
 """One process of a multi-host learner update (JAX's multi-process runtime on CPU, loopback).
 
-`tests/test_learner_sharding.py` launches NUM_PROCESSES copies of this script:
+`tests/learner/test_learner_sharding.py` launches NUM_PROCESSES copies of this script:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \
       python tests/learner_multihost_worker.py --process_id=I --num_processes=2 \

@@ -4,7 +4,7 @@ Everything the learner does differently for an algorithm is read from its
 `Algorithm` record: how advantages are computed, which loss, whether turns are
 updated one at a time, whether a critic is trained, the defaults it is defined
 with and the options that apply to it. Adding an algorithm is one record here
-plus its tests (`tests/test_learner_reference.py` runs every record against the
+plus its tests (`tests/learner/test_learner_reference.py` runs every record against the
 NumPy reference).
 """
 

@@ -18,7 +18,7 @@ from seeupo_jax.theory import policies
 from seeupo_jax.theory import report
 from seeupo_jax.theory import sweep
 
-_REPO = pathlib.Path(__file__).resolve().parents[1]
+_REPO = pathlib.Path(__file__).resolve().parents[2]
 
 # ----------------------------------------------------------------------------------------------
 # Families and the blind policy.

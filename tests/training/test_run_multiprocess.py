@@ -21,7 +21,7 @@ import pytest
 
 from seeupo_jax.training import metrics_log
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _RUN = os.path.join(_ROOT, "experiments", "run.py")
 
 ITERATIONS = 2  # a kill after the first checkpoint leaves the second iteration to the rerun

@@ -38,7 +38,7 @@ from seeupo_jax.training import trainer
 from seeupo_jax.training import workdir as workdir_lib
 import tiny
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _RUN = os.path.join(_ROOT, "experiments", "run.py")
 
 TINY = {

@@ -27,7 +27,7 @@ import tiny
 # The BFCL data and backends (README "Run the tests": pip install --no-deps bfcl-eval==...).
 from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils  # noqa: E402
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _RUN = os.path.join(_ROOT, "experiments", "run.py")
 
 
@@ -914,7 +914,7 @@ TINY = (
   "--config.rollout.max_reply_tokens=16",
   "--config.rollout.max_env_tokens=64",
   # SeeUPO's turns on the whole batch at full length: one length program of the update to compile
-  # instead of 4 (the bucketed update equals it: tests/test_learner_turn_buckets.py).
+  # instead of 4 (the bucketed update equals it: tests/learner/test_learner_turn_buckets.py).
   "--config.learner.turn_buckets=1",
   "--config.eval.num_tasks=1",
   "--config.eval.k=2",

@@ -288,7 +288,7 @@ def test_training_program_sets_norm_length_to_the_generation_budget():
   import os
   import sys
 
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
   from experiments.configs import base  # pylint: disable=g-import-not-at-top
   from seeupo_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
 
@@ -347,7 +347,7 @@ def test_metrics_are_the_listed_names(algorithm):
 def test_every_algorithm_is_documented():
   import pathlib
 
-  doc = (pathlib.Path(__file__).parent.parent / "docs" / "learner.md").read_text()
+  doc = (pathlib.Path(__file__).parents[2] / "docs" / "learner.md").read_text()
   for name in learner.ALGORITHMS:
     assert f"| `{name}` |" in doc, name
 

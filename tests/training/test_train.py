@@ -13,7 +13,7 @@ import pytest
 from seeupo_jax.models import checkpoint as hf_checkpoint
 from seeupo_jax.training import metrics_log
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _RUN = os.path.join(_ROOT, "experiments", "run.py")
 
 # A small, fast run: 2 dials, 4 tasks x 4 samples, evaluation on 4 tasks.

@@ -14,7 +14,7 @@ from seeupo_jax import learner, rollout
 from seeupo_jax.training import metrics_log, trainer
 from seeupo_jax.training.tasks import TaskStream
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from experiments import configs  # noqa: E402
 
 B, n = 4, 2

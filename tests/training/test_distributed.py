@@ -4,7 +4,7 @@ Each "process" is a thread with its own Roller (a text policy on the synthetic t
 `Processes` whose all-gather is a thread barrier, so the host-side logic of a multi-process
 run (blocks of groups, the call's metrics and failure limit, DAPO's refill and its moves of
 groups, evaluation) is checked against one process in seconds. The real multi-process run
-(JAX's runtime, gloo): tests/test_run_multiprocess.py.
+(JAX's runtime, gloo): tests/training/test_run_multiprocess.py.
 """
 
 import concurrent.futures
@@ -26,7 +26,7 @@ from seeupo_jax.training import evaluation, trainer
 from seeupo_jax.training.tasks import TaskStream
 import tiny
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 MODEL = tiny.model_config()
 TIMES = (

@@ -30,7 +30,7 @@ from seeupo_jax.models import qwen
 from seeupo_jax.training import config as config_lib
 import tiny
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LIKE = fake.TASKS["fake_like_1"]
 LIKE_SOLVED = {  # the /evaluate output of a solved fake_like_1, as the fake server computes it
   "success": True,

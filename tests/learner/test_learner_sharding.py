@@ -28,7 +28,7 @@ import learner_multihost_worker as problem
 from seeupo_jax import learner
 from seeupo_jax import sharding as sharding_lib
 
-WORKER = pathlib.Path(__file__).with_name("learner_multihost_worker.py")
+WORKER = pathlib.Path(__file__).parents[1] / "learner_multihost_worker.py"
 REPO = WORKER.parent.parent
 
 # Adam divides by sqrt(nu): an entry whose gradient is ~eps at some step turns float

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _run(script, *args):
@@ -80,7 +80,7 @@ def test_device_check_runs_small_on_the_cpu_with_a_consistent_learner_report(tmp
     BLOCKS="256",  # one MFU step (bench_model's own test covers the script in depth)
     ROUNDS="1",
     # SeeUPO on the whole batch at full length: one length program to compile instead of 4 (the
-    # bucketed update equals it: tests/test_learner_turn_buckets.py).
+    # bucketed update equals it: tests/learner/test_learner_turn_buckets.py).
     TURN_BUCKETS="1",
     SKIP_TESTS="1",
     # The GPU's limits are for a GPU: on a 2-core CPU beside other tests, the learner step's
@@ -263,7 +263,7 @@ def test_bench_train_times_seeupo_and_gspo_iterations(tmp_path):
   assert json.loads(out.read_text()) == result
   assert result["device_count"] == 1 and result["trajectories"] == 4
   seeupo, gspo = result["algorithms"]["seeupo"], result["algorithms"]["gspo"]
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
   from experiments.configs import synthetic  # pylint: disable=g-import-not-at-top
 
   reply = synthetic.get_config().rollout.max_reply_tokens

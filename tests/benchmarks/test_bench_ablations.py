@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_ablations.py")
+_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_ablations.py")
 _SPEC = importlib.util.spec_from_file_location("bench_ablations", _PATH)
 bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)

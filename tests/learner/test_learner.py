@@ -685,7 +685,7 @@ def test_qwen_logprobs_are_the_samplers(tiny_qwen, two_turn_rollout):
   new = first.tokens.shape[1]
   # Turn 0 against the sampler's own output, then every generated token of both turns. float32
   # rounding between the sampler's paged decode and one full forward: relative as well as
-  # absolute (1.05e-5 at a log-prob of about -4.6 was seen; tests/test_sampling_multiturn.py).
+  # absolute (1.05e-5 at a log-prob of about -4.6 was seen; tests/sampling/test_sampling_multiturn.py).
   np.testing.assert_allclose(
     logp[:, prompt_len : prompt_len + new], np.asarray(first.logprobs), rtol=1e-5, atol=1e-5
   )

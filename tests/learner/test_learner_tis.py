@@ -376,7 +376,7 @@ def test_training_config_has_the_tis_keys():
   import os
   import sys
 
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
   from experiments.configs import base  # pylint: disable=g-import-not-at-top
 
   section = base.training_config().learner

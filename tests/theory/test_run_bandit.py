@@ -10,7 +10,7 @@ import numpy as np
 from experiments.configs import bandit as bandit_config
 from seeupo_jax.theory import sweep
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _RUN = os.path.join(_ROOT, "experiments", "run.py")
 
 

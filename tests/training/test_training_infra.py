@@ -29,7 +29,7 @@ from seeupo_jax.training import checkpoints
 from seeupo_jax.training import metrics_log
 import tiny
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax 0.12.8: "<step>.orbax-checkpoint-tmp"
 
 

@@ -19,7 +19,7 @@ from seeupo_jax.training import metrics_log
 from seeupo_jax.training import trainer
 from seeupo_jax.rollout import Trajectory
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _RUN = os.path.join(_ROOT, "experiments", "run.py")
 sys.path.insert(0, _ROOT)
 from experiments import configs  # noqa: E402
