@@ -31,6 +31,8 @@ from seeupo_jax.learner.config import LearnerConfig
 Array = jax.Array
 Params = Any
 LogprobFn = Callable[[Params, Batch], Array]
+"""logprob_fn(params, batch) -> float32[N, L]: entry [i, j] = log pi(tokens[i, j] | tokens[i, :j]),
+0 where j predicts nothing."""
 
 
 @flax.struct.dataclass

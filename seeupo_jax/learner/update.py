@@ -63,14 +63,11 @@ from seeupo_jax.learner import sharded_jit
 from seeupo_jax.learner.batch import Batch
 from seeupo_jax.learner.config import LearnerConfig
 from seeupo_jax.learner.optimizer import default_optimizer  # noqa: F401
-from seeupo_jax.learner.shapes import TurnShape, TurnShapes  # noqa: F401
+from seeupo_jax.learner.shapes import LogprobFn, TurnShape, TurnShapes  # noqa: F401
 from seeupo_jax.learner.state import TrainState
 
 Array = jax.Array
 Params = Any
-LogprobFn = Callable[[Params, Batch], Array]
-"""logprob_fn(params, batch) -> float32[N, L]: entry [i, j] = log pi(tokens[i, j] | tokens[i, :j]),
-0 where j predicts nothing."""
 ValueFn = Callable[[Params, Batch], Array]
 """value_fn(critic_params, batch) -> float32[N, L]: the critic's value of the state before token j."""
 
