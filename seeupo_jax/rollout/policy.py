@@ -131,7 +131,24 @@ class _Rows:
     self._free.append(row)
 
 
-class SamplerPolicy:
+class _OwnsRows:
+  """What every policy here does with its rows: `slots`, `free` and `take` over `self._rows`."""
+
+  _rows: _Rows
+
+  @property
+  def slots(self) -> int:
+    return self._rows.count
+
+  @property
+  def free(self) -> int:
+    return self._rows.free
+
+  def take(self) -> int:
+    return self._rows.take()
+
+
+class SamplerPolicy(_OwnsRows):
   """The jitted sampler as a policy: a `SamplerSession`, its rows the policy's slots."""
 
   def __init__(self, session: sampling.SamplerSession):
@@ -140,23 +157,12 @@ class SamplerPolicy:
     self._params = None
 
   @property
-  def slots(self) -> int:
-    return self._rows.count
-
-  @property
   def max_reply_tokens(self) -> int:
     return self.session.sampling_config.max_new_tokens
 
   def begin(self, params) -> None:
     self._params = params
     self._rows.reset()
-
-  @property
-  def free(self) -> int:
-    return self._rows.free
-
-  def take(self) -> int:
-    return self._rows.take()
 
   def give(self, row, trajectory, new_ids, key_data, limit) -> None:
     self.session.give(row, new_ids, key_data, limit)
@@ -191,7 +197,7 @@ class SamplerPolicy:
     )
 
 
-class TextPolicy:
+class TextPolicy(_OwnsRows):
   """Replies from `reply_text(trajectory) -> str`, tokenized and closed with the end of turn
   (cut, without it, at the limit); log-probs None (0 in the trajectory).
 
@@ -216,20 +222,9 @@ class TextPolicy:
     self.max_reply_tokens = max_reply_tokens
     self._ready: list[PolicyReply] = []
 
-  @property
-  def slots(self) -> int:
-    return self._rows.count
-
   def begin(self, params) -> None:
     del params
     self._rows.reset()
-
-  @property
-  def free(self) -> int:
-    return self._rows.free
-
-  def take(self) -> int:
-    return self._rows.take()
 
   def give(self, row, trajectory, new_ids, key_data, limit) -> None:
     ids = self.chat.encode(self.reply_text(trajectory)) + [self.chat.end_of_turn_id]
