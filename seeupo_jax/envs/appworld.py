@@ -388,7 +388,7 @@ class AppWorldEnv:
       self.close()
     self._task_id, self._turns, self._unparsable, self._executions = task_id, 0, 0, 0
     self._completed, self._done, self._broken, self._scored = False, False, None, None
-    client = self.pool.lease()
+    client = self.pool.lease(task_id)
     self._client = client
     options = {
       "experiment_name": experiment_name(self.config.experiment_name, client.url),

@@ -523,6 +523,8 @@ class _Server:
   checked_at: float = 0.0  # time.monotonic() of the last health probe
   released_at: float = 0.0
   failed_at: float = 0.0  # when its last episode failed; 0.0: it did not (or never ran one)
+  task: Optional[str] = None  # the task of its current (or last) lease, when the lease named one
+  failed_task: Optional[str] = None  # the task its last episode failed on, when it failed one
 
 
 class ServerPool:
@@ -537,7 +539,11 @@ class ServerPool:
 
     1. servers that did not fail their last episode, the one idle longest
        first: an episode replayed after a failure goes to another server when
-       one is idle;
+       one is idle. A lease that names its task (`lease(task_id)`) does not
+       take a server whose last episode failed on that same task while any
+       other server is leased: it waits for one to be released (at most
+       `lease_timeout_s`, then takes it after all), so the replay of a failed
+       episode runs elsewhere even when every other server is busy;
     2. then servers that did, the one that failed longest ago first, each
        health-probed (GET /) right before it is leased: it is leased only if it
        answers, else it goes DOWN;
@@ -651,16 +657,20 @@ class ServerPool:
       server.state, server.reason = _DOWN, reason
     self._cond.notify_all()
 
-  def lease(self) -> AppWorldClient:
+  def lease(self, task_id: Optional[str] = None) -> AppWorldClient:
     """An idle, answering server, now leased to the caller (see the class docstring).
+
+    Args:
+      task_id: the task the lease is for: a server whose last episode failed on it is
+        taken only when no other server is leased, or after `lease_timeout_s`.
 
     Raises:
       PoolExhausted: no server answers, or none was released within `lease_timeout_s`.
     """
-    return self._lease(frozenset())
+    return self._lease(frozenset(), task_id)
 
-  def _lease(self, skip: frozenset[int]) -> AppWorldClient:
-    """`lease()` among the servers whose id() is not in `skip`."""
+  def _lease(self, skip: frozenset[int], task_id: Optional[str] = None) -> AppWorldClient:
+    """`lease(task_id)` among the servers whose id() is not in `skip`."""
     deadline = time.monotonic() + self.lease_timeout_s
     probed_all = False
     passed: set[int] = set()  # servers that answered a probe during this call
@@ -668,10 +678,18 @@ class ServerPool:
       while True:
         servers = [s for s in self._servers if id(s) not in skip]
         idle = [s for s in servers if s.state == _IDLE]
+        if task_id is not None and idle:
+          others = [s for s in idle if s.failed_task != task_id]
+          remaining = deadline - time.monotonic()
+          busy = any(s.state in (_LEASED, _PROBING) for s in servers)
+          if not others and busy and remaining > 0:
+            self._cond.wait(remaining)  # a server that failed this task: wait for another
+            continue
+          idle = others or idle
         if idle:
           server = min(idle, key=lambda s: (s.failed_at, s.released_at))
           if not server.failed_at or id(server) in passed:
-            server.state = _LEASED
+            server.state, server.task = _LEASED, task_id
             return server.client
           # Its last episode failed: leased only if it answers a health probe now.
           server.state = _PROBING
@@ -734,6 +752,7 @@ class ServerPool:
       self._releases += 1
       server.released_at = now
       server.failed_at = now if failure is not None else 0.0
+      server.failed_task = server.task if failure is not None else None
       if reason:
         server.state, server.reason, server.checked_at = _DOWN, reason, now
         healthy = sum(s.state != _DOWN for s in self._servers)

@@ -467,6 +467,42 @@ def test_a_failed_server_that_answers_its_probe_is_leased_when_no_other_is_idle(
   pool.release(second)
 
 
+def test_the_replay_of_a_failed_task_waits_for_another_server_while_one_is_leased(start):
+  a, b = start(2)
+  pool = client_lib.ServerPool([client(a.url), client(b.url)], lease_timeout_s=5.0)
+  first, second = pool.lease("t1"), pool.lease("t2")
+  assert (first.url, second.url) == (a.url, b.url)
+  pool.release(first, client_lib.ServerError("POST /evaluate failed: HTTP 500"))
+  # A is the only idle server, but its last episode failed on t1 and B is leased: the replay
+  # of t1 waits for B. A lease for another task takes A at once (after its probe).
+  got = []
+  waiter = threading.Thread(target=lambda: got.append(pool.lease("t1")))
+  waiter.start()
+  waiter.join(0.3)
+  assert waiter.is_alive() and not got
+  assert pool.lease("t3") is first
+  pool.release(second)
+  waiter.join(5.0)
+  assert got == [second]
+  pool.release(first)
+  pool.release(second)
+  # With no other server leased, the replay takes the server that failed it (after a probe).
+  pool = client_lib.ServerPool([client(a.url), client(b.url)], lease_timeout_s=5.0)
+  first, second = pool.lease("t1"), pool.lease("t2")
+  pool.release(first, client_lib.ServerError("HTTP 500"))
+  pool.release(second)
+  assert pool.lease("t1") is second  # another server is idle: it goes there
+  assert pool.lease("t1") is first  # none other left, and none leased but by this caller
+  pool.release(first)
+  pool.release(second)
+  # The wait is bounded by lease_timeout_s: then it takes the failed server after all.
+  pool = client_lib.ServerPool([client(a.url), client(b.url)], lease_timeout_s=0.2)
+  first, second = pool.lease("t1"), pool.lease("t2")
+  pool.release(first, client_lib.ServerError("HTTP 500"))
+  assert pool.lease("t1") is first
+  assert pool.counts() == {"idle": 0, "leased": 2, "down": 0, "probing": 0}
+
+
 def test_no_answering_server_is_an_error_naming_every_url_and_the_command():
   urls = [free_url(), free_url()]
   pool = client_lib.ServerPool([client(u) for u in urls], recheck_s=60)
@@ -835,12 +871,14 @@ def play_rollout(spec, task_ids, samples_per_task):
 def test_an_episode_replayed_after_a_5xx_runs_on_another_server(start, tmp_path, monkeypatch):
   """The rollout loop replays an episode whose server answered 500 on a fresh environment. The
   failing server was given back first (when its episode failed, before the other episodes
-  closed), so it has been idle longest; the replay still goes to another server, and the
-  group is kept."""
+  closed), so it may be the only idle one when the replay starts; the replay still goes to
+  another server (it waits for one while the others are leased), and the group is kept."""
   monkeypatch.setattr(aw, "SYSTEM_PROMPT", "Write ```python code. {max_turns} turns.")
-  servers = start(3)
+  servers = start(3, slow_s=0.5)
   failing = servers[0]  # the first lease gets it: one of the three episodes plays there
   failing.inject("/evaluate", "500", times=100)
+  for other in servers[1:]:  # the others score late: the replay starts while they are leased
+    other.inject("/evaluate", "slow")
   spec = make_spec(servers, tmp_path, api_docs="none", max_turns=2)
   result = play_rollout(spec, ["fake_like_1", "fake_pay_1", "fake_count_1"], 1)
   (replayed,) = [t for t in result.trajectories if t.retried_errors]
