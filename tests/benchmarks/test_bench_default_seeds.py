@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+import processes
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -79,7 +81,7 @@ def test_the_command_runs_each_seed_and_reports_from_its_metrics(tmp_path):
     "--config.log.plot=False",
     "--config.log.tensorboard=False",
   ]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = processes.env()
   done = subprocess.run(
     [sys.executable, str(REPO / "benchmarks" / "bench_default_seeds.py")]
     + [f"--workdir={tmp_path}", "--seeds=0,1", "--target=0.0", *tiny],

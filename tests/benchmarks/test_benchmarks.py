@@ -8,11 +8,13 @@ import sys
 
 import pytest
 
+import processes
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _run(script, *args):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no 8 simulated devices
+  env = processes.env()  # one CPU device, not the 8 simulated ones
   done = subprocess.run(
     [sys.executable, str(REPO / "benchmarks" / script), *args],
     capture_output=True,
@@ -69,7 +71,7 @@ def test_bench_sampler_decodes_the_same_ids_as_torch():
 def test_device_check_runs_small_on_the_cpu_with_a_consistent_learner_report(tmp_path):
   """benchmarks/device_check.sh (the prepared GPU check) runs end to end on a tiny preset; its
   learner step's report (bench_learner.py, T = 4) is consistent."""
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env = processes.env(cpu=False)
   env.update(
     OUT=str(tmp_path),
     PY=sys.executable,
@@ -171,7 +173,7 @@ def test_bench_multiturn_continue_and_reprefill_sample_the_same():
 def test_bench_rollout_compares_the_schedulers_at_each_prefill_rows():
   """Tiny: 4 episodes x 2 turns on 2 slots, R = 1 and 2 side by side; the summaries are the
   medians of the measurement lines and their ratio, per R."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = processes.env()
   args = "--scenarios instant --episodes 4 --turns 2 --slots 2 --max_new 8 --env_workers 2"
   args += " --repeats 3 --warmups 1 --prefill_rows 1,2 --max_context 128"
   done = subprocess.run(

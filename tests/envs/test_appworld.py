@@ -21,6 +21,8 @@ import jax
 import numpy as np
 import pytest
 
+import processes
+
 import appworld_fake_server as fake
 from seeupo_jax import envs, rollout, sampling
 from seeupo_jax.text import chat_tokens, tokenizer as tokenizer_lib
@@ -993,13 +995,9 @@ def run_program(servers, tmp_path, workdir) -> subprocess.CompletedProcess:
   """`run.py --config=appworld`: one SeeUPO iteration of a random qwen3-tiny (2 tasks x 2
   samples, 2 turns), then an evaluation of 2 tasks x 2 attempts, on CPU."""
   ds = datasets(tmp_path / "ds", train=("fake_like_1", "fake_count_1"), dev=("gen_0_1", "gen_1_1"))
-  env = dict(
-    os.environ,
-    JAX_PLATFORMS="cpu",
-    XLA_FLAGS="",
-    # The session's compilation cache (tests/conftest.py): the evaluation sampler is the
-    # training sampler's program, and every run of this config compiles the same programs.
-  )
+  # The session's compilation cache (tests/conftest.py): the evaluation sampler is the
+  # training sampler's program, and every run of this config compiles the same programs.
+  env = processes.env()
   return subprocess.run(
     [
       sys.executable,

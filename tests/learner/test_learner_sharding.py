@@ -21,6 +21,8 @@ import warnings
 import jax
 import numpy as np
 import pytest
+
+import processes
 from absl.testing import parameterized
 from jax.sharding import PartitionSpec as P
 
@@ -172,7 +174,7 @@ def test_multihost_update_equals_one_process(tmp_path):
   batch = problem.make_batch()
   batch_path, out_path = tmp_path / "batch.npz", tmp_path / "params.npz"
   np.savez(batch_path, **{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)})
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  env = processes.env(devices=2)
   port = _free_port()
   workers = [
     subprocess.Popen(

@@ -38,6 +38,10 @@ class ScriptedEnv:
   most_open = 0
   stepping_now = 0  # steps running
   most_stepping = 0
+  # A step waits (at most 10 s) until this many steps have been running at once: steps that run
+  # in parallel get there whatever the machine's speed; steps run one at a time never do.
+  gather = 0
+  gathered = threading.Condition(lock)
 
   def __init__(self, delay=0.0):
     self.delay = delay
@@ -57,6 +61,8 @@ class ScriptedEnv:
     with self.lock:
       ScriptedEnv.stepping_now += 1
       ScriptedEnv.most_stepping = max(ScriptedEnv.most_stepping, ScriptedEnv.stepping_now)
+      ScriptedEnv.gathered.notify_all()
+      ScriptedEnv.gathered.wait_for(lambda: ScriptedEnv.most_stepping >= ScriptedEnv.gather, 10.0)
     time.sleep(self.delay)
     with self.lock:
       ScriptedEnv.stepping_now -= 1
@@ -284,14 +290,17 @@ def test_more_episodes_than_decode_slots(params, chat, tok):
 
 def test_environments_run_in_parallel_and_wait_share_is_measured(params, chat, tok):
   roller = _roller(chat, tok, max_turns=2, max_new=2, delay=0.2, env_workers=16)
-  ScriptedEnv.most_stepping = 0
+  ScriptedEnv.most_stepping, ScriptedEnv.gather = 0, 8
   start = time.perf_counter()
-  result = roller.run(params, ["2/1/"], 16, jax.random.key(9))
+  try:
+    result = roller.run(params, ["2/1/"], 16, jax.random.key(9))
+  finally:
+    ScriptedEnv.gather = 0
   wall = time.perf_counter() - start
   roller.close()
-  # 16 environments whose steps take 0.2 s each: the steps handed off together run at the same
-  # time (one env worker would run them one at a time). The host waits for at least each
-  # episode's 2 steps (0.4 s).
+  # 16 environments whose steps take 0.2 s each: 8 steps run at the same time (each waits for
+  # the others: one env worker would run them one at a time, each waiting in vain). The host
+  # waits for at least each episode's 2 steps (0.4 s).
   assert ScriptedEnv.most_stepping >= 8, ScriptedEnv.most_stepping
   assert 0.35 < result.metrics["rollout/env_wait_time"] < wall
   assert 0 < result.metrics["rollout/env_wait_share"] < 1

@@ -7,6 +7,8 @@ import sys
 
 import numpy as np
 
+import processes
+
 from experiments.configs import bandit as bandit_config
 from seeupo_jax.theory import sweep
 
@@ -15,7 +17,7 @@ _RUN = os.path.join(_ROOT, "experiments", "run.py")
 
 
 def _run(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = processes.env()
   return subprocess.run(
     [sys.executable, _RUN, *args], capture_output=True, text=True, env=env, cwd=_ROOT, timeout=300
   )

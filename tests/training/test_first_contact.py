@@ -12,6 +12,8 @@ import sys
 import numpy as np
 import pytest
 
+import processes
+
 from seeupo_jax import envs
 from seeupo_jax.training import config as config_lib
 from seeupo_jax.training import evaluation
@@ -26,7 +28,7 @@ from experiments import configs  # noqa: E402
 
 
 def _python(code: str, *args, timeout=300):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = processes.env()
   return subprocess.run(
     [sys.executable, "-c", code, *args],
     capture_output=True,
@@ -38,7 +40,7 @@ def _python(code: str, *args, timeout=300):
 
 
 def _run(*args, timeout=300):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = processes.env()
   return subprocess.run(
     [sys.executable, _RUN, *args],
     capture_output=True,

@@ -19,6 +19,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import processes
+
 from seeupo_jax.training import metrics_log
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -69,11 +71,7 @@ def _free_port() -> int:
 
 def _start(workdir, num_processes: int, devices: int, logs, cache=None) -> list[subprocess.Popen]:
   """Starts run.py as `num_processes` processes of `devices` CPU devices each."""
-  env = dict(
-    os.environ,
-    JAX_PLATFORMS="cpu",
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-  )
+  env = processes.env(devices)
   if cache is not None:  # JAX's persistent compilation cache: each program compiles once
     env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   flags = []

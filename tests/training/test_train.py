@@ -10,6 +10,8 @@ import time
 import numpy as np
 import pytest
 
+import processes
+
 from seeupo_jax.models import checkpoint as hf_checkpoint
 from seeupo_jax.training import metrics_log
 
@@ -35,7 +37,7 @@ SMALL = (
 
 
 def _env(**extra):
-  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", **extra)
+  return processes.env(**extra)
 
 
 def _run(*args, timeout=600, **env):

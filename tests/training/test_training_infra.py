@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import processes
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from seeupo_jax import learner, sharding
@@ -304,8 +306,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
   intact and restores; the half-written directory is never taken for a checkpoint."""
   directory = str(tmp_path / "ckpt")
   # The killed process must not write to the session's compilation cache (tests/conftest.py).
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, JAX_ENABLE_COMPILATION_CACHE="false")
-  env.pop("XLA_FLAGS", None)
+  env = processes.env(PYTHONPATH=REPO, JAX_ENABLE_COMPILATION_CACHE="false")
   with open(tmp_path / "stderr.txt", "w") as stderr:
     proc = subprocess.Popen(
       [sys.executable, "-c", _SAVER, directory],

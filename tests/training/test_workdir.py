@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import processes
+
 from experiments import configs
 from seeupo_jax.models import checkpoint as hf_checkpoint
 from seeupo_jax.models import qwen
@@ -79,7 +81,7 @@ def jax_cache(tmp_path_factory):
 
 
 def _run(workdir, *args, cache=None, timeout=300):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = processes.env()
   if cache:
     env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   return subprocess.run(
