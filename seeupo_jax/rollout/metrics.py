@@ -10,12 +10,13 @@ metrics (times: the slowest process's; counts: summed; shares: over the sums).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 from absl import logging
 import numpy as np
 
 from seeupo_jax import distributed
+from seeupo_jax.rollout.policy import PolicyStats
 from seeupo_jax.rollout.trajectory import Trajectory
 
 FINISH_REASONS = ("done", "max_turns", "context", "env_error")
@@ -81,14 +82,8 @@ class _Counts:
   retried: int
   restarts: int
   restores: int
-  session: bool = False  # the policy reported sampler counters (`Policy.stats`)
-  slots: int = 0
-  decode_steps: int = 0
-  decode_row_steps: int = 0
-  decode_calls: int = 0
-  prefill_calls: int = 0
-  peak_cache_slots: int = 0
-  live_tokens_at_peak: int = 0
+  policy: Optional[PolicyStats] = None  # the policy's counters of the call (`Policy.stats`)
+  slots: int = 0  # S, the policy's rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,17 +161,17 @@ def _rollout_metrics(rows: Sequence[_Numbers], counts: Sequence[_Counts]) -> dic
   metrics["rollout/env_stopped_calls"] = float(sum(t.env_stopped_calls for t in rows))
   metrics["rollout/env_worker_restarts"] = float(sum(c.restarts for c in counts))
   metrics["rollout/env_restores"] = float(sum(c.restores for c in counts))
-  if all(c.session for c in counts):
-    steps = sum(c.decode_steps for c in counts)
-    slot_steps = sum(c.decode_steps * c.slots for c in counts)
-    peak = sum(c.peak_cache_slots for c in counts)
-    live = sum(c.live_tokens_at_peak for c in counts)
+  if all(c.policy is not None for c in counts):
+    steps = sum(c.policy.decode_steps for c in counts)
+    slot_steps = sum(c.policy.decode_steps * c.slots for c in counts)
+    peak = sum(c.policy.peak_cache_slots for c in counts)
+    live = sum(c.policy.live_tokens_at_peak for c in counts)
     metrics["rollout/decode_steps"] = float(steps)
-    metrics["rollout/decode_calls"] = float(sum(c.decode_calls for c in counts))
-    metrics["rollout/prefill_calls"] = float(sum(c.prefill_calls for c in counts))
+    metrics["rollout/decode_calls"] = float(sum(c.policy.decode_calls for c in counts))
+    metrics["rollout/prefill_calls"] = float(sum(c.policy.prefill_calls for c in counts))
     # Share of the decode rows that were decoding, over the decode steps run.
     metrics["rollout/slot_occupancy"] = (
-      sum(c.decode_row_steps for c in counts) / slot_steps if slot_steps else 0.0
+      sum(c.policy.decode_row_steps for c in counts) / slot_steps if slot_steps else 0.0
     )
     metrics["rollout/decode_steps_per_token"] = steps / generated if generated else 0.0
     metrics["rollout/cache_slots"] = float(peak)

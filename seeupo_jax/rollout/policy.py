@@ -59,6 +59,23 @@ class PolicyStats:
   peak_cache_slots: int = 0
   live_tokens_at_peak: int = 0
 
+  PEAKS = ("peak_cache_slots", "live_tokens_at_peak")
+  """The fields that are a high-water mark, not a count: `since` keeps them as they are."""
+
+  @classmethod
+  def of(cls, counters: Any) -> "PolicyStats":
+    """These fields read from any object that has them (e.g. `SamplerSession.stats`)."""
+    return cls(**{f.name: getattr(counters, f.name) for f in dataclasses.fields(cls)})
+
+  def since(self, before: "PolicyStats") -> "PolicyStats":
+    """The counts since `before` (this minus that), with this one's high-water marks."""
+    return PolicyStats(
+      **{
+        f.name: getattr(self, f.name) - (0 if f.name in self.PEAKS else getattr(before, f.name))
+        for f in dataclasses.fields(self)
+      }
+    )
+
 
 class Policy(Protocol):
   """What the rollout engine drives (see the module docstring)."""
@@ -186,15 +203,7 @@ class SamplerPolicy(_OwnsRows):
     return self.session.busy
 
   def stats(self) -> PolicyStats:
-    s = self.session.stats
-    return PolicyStats(
-      prefill_calls=s.prefill_calls,
-      decode_calls=s.decode_calls,
-      decode_steps=s.decode_steps,
-      decode_row_steps=s.decode_row_steps,
-      peak_cache_slots=s.peak_cache_slots,
-      live_tokens_at_peak=s.live_tokens_at_peak,
-    )
+    return PolicyStats.of(self.session.stats)
 
 
 class TextPolicy(_OwnsRows):

@@ -626,14 +626,7 @@ class Roller:
     )
     now = self.policy.stats()
     if now is not None:
-      counts.session = True
-      counts.slots = self.policy.slots
-      counts.decode_steps = now.decode_steps - policy_before.decode_steps
-      counts.decode_row_steps = now.decode_row_steps - policy_before.decode_row_steps
-      counts.decode_calls = now.decode_calls - policy_before.decode_calls
-      counts.prefill_calls = now.prefill_calls - policy_before.prefill_calls
-      counts.peak_cache_slots = now.peak_cache_slots
-      counts.live_tokens_at_peak = now.live_tokens_at_peak
+      counts.policy, counts.slots = now.since(policy_before), self.policy.slots
     return call_metrics(
       trajectories,
       counts,
