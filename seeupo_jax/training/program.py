@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -76,12 +76,35 @@ class Program:
     self.env_workers.shutdown()
 
 
+def _model_overrides(m: config_lib.ModelSection) -> dict[str, Any]:
+  return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, scan_layers=m.scan_layers)
+
+
+def build_model_config(config: TrainConfig) -> model_config_lib.ModelConfig:
+  """The `ModelConfig` of `config.model` alone: a checkpoint's config.json, or the preset's;
+  no weights, no tokenizer (what an ahead-of-time compile needs)."""
+  m = config.model
+  if m.path:
+    try:
+      return hf_checkpoint.load_config(m.path, **_model_overrides(m))
+    except (OSError, ValueError) as e:
+      raise ConfigError(f"model.path={m.path!r}: {e}") from e
+  if not m.preset:
+    raise ConfigError(
+      f"no model: pass --config.model.path=/path/to/a/local/Qwen3-checkpoint (the paper trains "
+      f"Qwen3-14B on {config.env.name}); --config.model.preset=qwen3-tiny builds a tiny model "
+      "from scratch, only to check the pipeline"
+    )
+  try:
+    return model_config_lib.get_preset(m.preset, **_model_overrides(m))
+  except ValueError as e:
+    raise ConfigError(f"model.preset: {e}") from None
+
+
 def build_model(config: TrainConfig):
   """(ModelConfig, tokenizer, params loader) from `config.model`."""
   m = config.model
-  overrides = dict(
-    dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, scan_layers=m.scan_layers
-  )
+  overrides = _model_overrides(m)
   if m.path:
     if not os.path.isdir(m.path):
       raise ConfigError(f"model.path={m.path!r} is not a local checkpoint directory")
@@ -97,16 +120,7 @@ def build_model(config: TrainConfig):
       return hf_checkpoint.load(m.path, mesh, **overrides)[1]
 
   else:
-    if not m.preset:
-      raise ConfigError(
-        f"no model: pass --config.model.path=/path/to/a/local/Qwen3-checkpoint (the paper trains "
-        f"Qwen3-14B on {config.env.name}); --config.model.preset=qwen3-tiny builds a tiny model "
-        "from scratch, only to check the pipeline"
-      )
-    try:
-      model_config = model_config_lib.get_preset(m.preset, **overrides)
-    except ValueError as e:
-      raise ConfigError(f"model.preset: {e}") from None
+    model_config = build_model_config(config)
     tokenizer = tokenizer_lib.build_default_tokenizer(model_config.vocab_size)
 
     def load(mesh, key):
@@ -129,6 +143,56 @@ def build_optimizer(o: config_lib.OptimizerSection) -> optax.GradientTransformat
     max_grad_norm=o.max_grad_norm,
     warmup_steps=o.warmup_steps,
   )
+
+
+def build_sampling_config(
+  config: TrainConfig, stop_token_ids: tuple[int, ...], pad_id: int
+) -> sampling.SamplingConfig:
+  """The rollouts' `SamplingConfig` from `config.rollout` and the tokenizer's stops and pad."""
+  r = config.rollout
+  return sampling.SamplingConfig(
+    max_new_tokens=r.max_reply_tokens,
+    temperature=r.temperature,
+    top_k=r.top_k,
+    top_p=r.top_p,
+    stop_token_ids=stop_token_ids,
+    pad_id=pad_id,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerParts:
+  """The learner's update and the optimizers it steps (`build_learner`)."""
+
+  update: Any  # learner.make_update's jitted update (its `.lower` compiles ahead of time)
+  optimizer: optax.GradientTransformation
+  critic_optimizer: Optional[optax.GradientTransformation]  # PPO only
+
+
+def build_learner(config: TrainConfig, model_config: model_config_lib.ModelConfig) -> LearnerParts:
+  """The SeeUPO (or baseline) update of `config.learner` for the model, with its optimizers."""
+  optimizer = build_optimizer(config.optimizer)
+  ppo = config.learner.spec.critic
+  critic_optimizer = build_optimizer(config.optimizer) if ppo else None
+  update = learner.make_update(
+    learner.qwen_logprob_fn(model_config, temperature=config.rollout.temperature),
+    optimizer,
+    config.learner,
+    value_fn=learner.qwen_value_fn(model_config) if ppo else None,
+    critic_optimizer=critic_optimizer,
+  )
+  return LearnerParts(update, optimizer, critic_optimizer)
+
+
+def build_decode_layout(
+  config: TrainConfig, model_config: model_config_lib.ModelConfig, mesh: jax.sharding.Mesh
+) -> decode_layout.DecodeLayout:
+  """The sampler's copy of the params: tensor-parallel (`rollout.decode_tensor_parallel`),
+  in the compute dtype, and the reshard that makes it from the learner's."""
+  with _config_values("rollout.decode_tensor_parallel"):
+    return decode_layout.DecodeLayout(
+      model_config, mesh, tensor=config.rollout.decode_tensor_parallel or None
+    )
 
 
 def build(config: TrainConfig) -> Program:
@@ -173,36 +237,19 @@ def build(config: TrainConfig) -> Program:
       f"rollout.decode_slots={r.decode_slots} must be divisible by the {processes.count} "
       "processes (each samples on decode_slots / processes rows)"
     )
-  sampling_config = sampling.SamplingConfig(
-    max_new_tokens=r.max_reply_tokens,
-    temperature=r.temperature,
-    top_k=r.top_k,
-    top_p=r.top_p,
-    stop_token_ids=stops,
-    pad_id=pad_id,
-  )
+  sampling_config = build_sampling_config(config, stops, pad_id)
   rollout_config = r.rollout_config()
   session_config = r.session_config(processes.count)
   eval_sampling = dataclasses.replace(sampling_config, greedy=config.eval.greedy)
   learner_config = config.learner
-  optimizer = build_optimizer(config.optimizer)
-  logprob_fn = learner.qwen_logprob_fn(model_config, temperature=r.temperature)
-  ppo = learner_config.spec.critic
-  critic_optimizer = build_optimizer(config.optimizer) if ppo else None
-  update = learner.make_update(
-    logprob_fn,
-    optimizer,
-    learner_config,
-    value_fn=learner.qwen_value_fn(model_config) if ppo else None,
-    critic_optimizer=critic_optimizer,
-  )
+  learner_parts = build_learner(config, model_config)
+  optimizer, critic_optimizer = learner_parts.optimizer, learner_parts.critic_optimizer
+  ppo = critic_optimizer is not None
+  update = learner_parts.update
 
   # Worker processes start last, once everything else in the config has checked out.
   # The sampler decodes with its own copy of the params (tensor-parallel, compute dtype).
-  with _config_values("rollout.decode_tensor_parallel"):
-    decode = decode_layout.DecodeLayout(
-      model_config, mesh, tensor=config.rollout.decode_tensor_parallel or None
-    )
+  decode = build_decode_layout(config, model_config, mesh)
   cache_sharding = decode.cache_sharding
   env_workers = rollout.make_workers(spec, rollout_config.worker_config(spec.isolation))
   try:
