@@ -44,6 +44,8 @@ setuptools.setup(
       "ruff==0.17.6",
     ],
     "gpu": ["jax[cuda12]>=0.7,<0.13"],
+    # libtpu: the TPU compiler, so benchmarks/aot_compile.py compiles for TPU slices on any host
+    "tpu-compile": ["jax[tpu]>=0.7,<0.13"],
     "parity": ["torch==2.13.0"],
   },
 )

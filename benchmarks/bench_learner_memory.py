@@ -33,13 +33,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from seeupo_jax import learner, sharding  # noqa: E402
-from seeupo_jax.learner import precision  # noqa: E402
+from seeupo_jax.devtools import aot  # noqa: E402
 from seeupo_jax.models import config as config_lib  # noqa: E402
-from seeupo_jax.models import qwen  # noqa: E402
 
 SCHEMES = {  # name: (param dtype, master weights, reference dtype)
   "bf16": ("bfloat16", False, "bfloat16"),
@@ -47,64 +44,6 @@ SCHEMES = {  # name: (param dtype, master weights, reference dtype)
   "f32params": ("float32", False, "float32"),
   "f32params+bf16ref": ("float32", False, "bfloat16"),
 }
-
-
-def _abstract(tree, shardings):
-  return jax.tree.map(
-    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-  )
-
-
-def abstract_state(model_config, optimizer, mesh, master_weights: bool, ref_dtype: str):
-  """The `TrainState` `init_state(params, optimizer, ref_params=...)` builds, as
-  ShapeDtypeStructs on the params' shardings."""
-  shapes = qwen.params_shape(model_config)
-  params = _abstract(shapes, sharding.param_shardings(shapes, mesh))
-  optimizer = precision.resolve(optimizer, params, master_weights)
-  opt_state = _abstract(
-    jax.eval_shape(optimizer.init, params),
-    learner.opt_state_shardings(optimizer, params, master_weights=False),
-  )
-  ref = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(ref_dtype), sharding=x.sharding), params
-  )
-  counter = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
-  return learner.TrainState(params, opt_state, ref, None, None, counter, counter, counter)
-
-
-def abstract_batch(rows: int, length: int, mesh) -> learner.Batch:
-  shapes = learner.Batch(
-    tokens=jax.ShapeDtypeStruct((rows, length), jnp.int32),
-    token_valid=jax.ShapeDtypeStruct((rows, length), jnp.bool_),
-    turn_ids=jax.ShapeDtypeStruct((rows, length), jnp.int32),
-    sample_logp=jax.ShapeDtypeStruct((rows, length), jnp.float32),
-    rewards=jax.ShapeDtypeStruct((rows,), jnp.float32),
-    group_ids=jax.ShapeDtypeStruct((rows,), jnp.int32),
-    row_valid=jax.ShapeDtypeStruct((rows,), jnp.bool_),
-  )
-  return _abstract(shapes, learner.batch_shardings(shapes, mesh))
-
-
-def state_bytes(state) -> dict[str, float]:
-  """Bytes per device of each part of the state (the shard each device holds)."""
-
-  def per_device(tree):
-    total = 0
-    for x in jax.tree.leaves(tree):
-      shard = x.sharding.shard_shape(x.shape)
-      size = 1
-      for d in shard:
-        size *= d
-      total += size * x.dtype.itemsize
-    return total
-
-  out = {"params": per_device(state.params), "ref_params": per_device(state.ref_params)}
-  if isinstance(state.opt_state, learner.MasterWeightsState):
-    out["masters"] = per_device(state.opt_state.params)
-    out["optimizer"] = per_device(state.opt_state.inner_state)
-  else:
-    out["optimizer"] = per_device(state.opt_state)
-  return out
 
 
 def measure(args, scheme: str) -> dict:
@@ -117,9 +56,11 @@ def measure(args, scheme: str) -> dict:
   optimizer = learner.default_optimizer()
   config = learner.LearnerConfig(algorithm="seeupo", num_turns=args.turns)
   step = learner.make_update(learner.qwen_logprob_fn(model_config), optimizer, config, jit=False)
-  state = abstract_state(model_config, optimizer, mesh, master_weights, ref_dtype)
-  batch = abstract_batch(args.rows, args.length, mesh)
-  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+  state = aot.abstract_state(
+    model_config, optimizer, mesh, master_weights=master_weights, ref=True, ref_dtype=ref_dtype
+  )
+  batch = aot.abstract_batch(args.rows, args.length, mesh)
+  key = aot.abstract_key(mesh)
   out_shardings = (jax.tree.map(lambda x: x.sharding, state), None)
   t0 = time.perf_counter()
   with jax.set_mesh(mesh):
@@ -152,7 +93,7 @@ def measure(args, scheme: str) -> dict:
     )
     / gib,
   }
-  result.update({f"state/{k}_GiB": v / gib for k, v in state_bytes(state).items()})
+  result.update({f"state/{k}_GiB": v / gib for k, v in aot.state_bytes(state).items()})
   return result
 
 

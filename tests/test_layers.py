@@ -17,7 +17,6 @@ RANK = {
   "fields": 0,
   "distributed": 0,
   "sharding": 0,
-  "devtools": 0,
   "assets": 0,
   "losses": 1,
   "models": 1,
@@ -27,6 +26,7 @@ RANK = {
   "rollout": 4,
   "training": 5,
   "theory": 5,
+  "devtools": 6,  # reads compiled programs of every layer; nothing in the package imports it
 }
 TOP = {"__init__", "_moved"}  # the package's own entry: installs the moved-path finder
 

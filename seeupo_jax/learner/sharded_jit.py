@@ -20,13 +20,13 @@ def jit_keeping_state_shardings(step, donate_argnums):
   compiled = {}
 
   def sharding_of(x):
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    if concrete or isinstance(x, jax.ShapeDtypeStruct):
       if isinstance(x.sharding, jax.sharding.NamedSharding):
         return x.sharding
     return None
 
-  @functools.wraps(step)
-  def run(state, batch, key):
+  def jitted(state):
     leaves, treedef = jax.tree.flatten(state)
     shardings = tuple(sharding_of(x) for x in leaves)
     if (treedef, shardings) not in compiled:
@@ -34,6 +34,17 @@ def jit_keeping_state_shardings(step, donate_argnums):
       compiled[treedef, shardings] = jax.jit(
         step, donate_argnums=donate_argnums, out_shardings=out_shardings
       )
-    return compiled[treedef, shardings](state, batch, key)
+    return compiled[treedef, shardings]
 
+  @functools.wraps(step)
+  def run(state, batch, key):
+    return jitted(state)(state, batch, key)
+
+  def lower(state, batch, key):
+    """The same program lowered ahead of time (`.compile()` it): the arguments may be
+    `jax.ShapeDtypeStruct`s with their shardings, on any backend's devices (a TPU topology's
+    on a CPU host), so nothing is allocated."""
+    return jitted(state).lower(state, batch, key)
+
+  run.lower = lower
   return run

@@ -747,7 +747,9 @@ def make_update(
     "skipped_updates", "sample_logp_gap_mean"/"_max", ...) and, for SeeUPO, per-turn
     float32[T] arrays under "turn/<name>" (indexed by turn id) including the M
     statistics "turn/M_mean", "turn/M_min", "turn/M_max", "turn/M_clipped" of the M
-    each turn was weighted with.
+    each turn was weighted with. The jitted update also has `update.lower(state, batch, key)`:
+    the same program lowered ahead of time, on arrays or on `jax.ShapeDtypeStruct`s with
+    shardings, for any backend's devices (`benchmarks/aot_compile.py` compiles it for TPU slices).
 
   Sharding: place params/optimizer state on their shardings (`init_state` keeps
   those of the params it gets) and the batch with `shard_batch(batch, mesh)`; call

@@ -245,6 +245,7 @@ PRESETS: dict[str, ModelConfig] = {
   "qwen3-4b": _qwen3(151936, 2560, 9728, 36, 32, 8, tied=True),
   "qwen3-8b": _qwen3(151936, 4096, 12288, 36, 32, 8, tied=False),
   "qwen3-14b": _qwen3(151936, 5120, 17408, 40, 40, 8, tied=False),
+  "qwen3-32b": _qwen3(151936, 5120, 25600, 64, 64, 8, tied=False),
 }
 
 

@@ -104,7 +104,8 @@ class SamplerSession:
     # (`layers.paged_attend`), not the width, and a row's numbers do not depend on it.
     self.max_pages_per_row = -(-pages // per_block) * per_block
     self._constrain = functools.partial(constrain_cache, cache_sharding=cache_sharding)
-    statics = dict(
+    self._cache_sharding = cache_sharding
+    self._statics = statics = dict(
       model_config=self.model_config, sampling_config=sampling_config, cache_sharding=cache_sharding
     )
     # Module-level jitted programs: sessions of the same configs share their compiled programs.
@@ -302,6 +303,52 @@ class SamplerSession:
     every decoding row. Returns (rows after, int32 steps run). `decode` runs it on the
     session's rows; a benchmark times it alone after `prepare_decode`."""
     return self._decode(params, rows, table)
+
+  def full_pool_pages(self) -> int:
+    """The pages of a pool in which every row holds its most tokens (`max_pages_per_row`),
+    plus the scratch page: the most the session's pool needs."""
+    return 1 + self.config.rows * self.max_pages_per_row
+
+  def lower_decode(self, params, num_pages: Optional[int] = None):
+    """The session's decode program lowered ahead of time (`.compile()` it), on a pool of
+    `num_pages` pages (default `full_pool_pages()`).
+
+    `params` may be `jax.ShapeDtypeStruct`s with the decode layout's shardings, on any
+    backend's devices (a TPU topology's on a CPU host): nothing is allocated. The rows' cache
+    takes the session's cache shardings, the other row fields are replicated. Lower under
+    `jax.set_mesh` of the decode mesh, as the rollout runs it.
+    """
+    cfg = self.config
+    pages = self.full_pool_pages() if num_pages is None else num_pages
+
+    def idle_rows():
+      cache = qwen.init_paged_cache(self.model_config, pages, cfg.page_size)
+      return init_rows(
+        cache,
+        cfg.rows,
+        self.num_stops,
+        self.sampling_config.max_new_tokens,
+        self.sampling_config.pad_id,
+      )
+
+    rows = jax.eval_shape(idle_rows)
+    table = jax.ShapeDtypeStruct((cfg.rows, self.max_pages_per_row), jnp.int32)
+    if self._cache_sharding is not None:
+      cache_shardings = self._cache_sharding(rows.cache)
+      whole = jax.sharding.NamedSharding(
+        jax.tree.leaves(cache_shardings)[0].mesh, jax.sharding.PartitionSpec()
+      )
+
+      def placed(x, sharding=whole):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+      rows = jax.tree.map(placed, rows).replace(
+        cache=jax.tree.map(placed, rows.cache, cache_shardings)
+      )
+      table = placed(table)
+    return _decode_jit.lower(
+      params, rows, table, num_steps=cfg.decode_steps_per_sync, **self._statics
+    )
 
   def decode(self, params) -> list[Reply]:
     """Up to k decode steps of every decoding row, then one host read; returns the replies

@@ -121,6 +121,7 @@ class ConfigTest(parameterized.TestCase):
     ("qwen2.5-14b", 14.7e9, 13.1e9),
     ("qwen3-0.6b", 0.6e9, 0.44e9),
     ("qwen3-14b", 14.8e9, 13.2e9),
+    ("qwen3-32b", 32.8e9, 31.2e9),
   )
   def test_preset_parameter_counts_match_model_cards(self, name, total, non_embedding):
     config = config_lib.get_preset(name)
