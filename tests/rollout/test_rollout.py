@@ -300,9 +300,10 @@ def test_environments_run_in_parallel_and_wait_share_is_measured(params, chat, t
   roller.close()
   # 16 environments whose steps take 0.2 s each: 8 steps run at the same time (each waits for
   # the others: one env worker would run them one at a time, each waiting in vain). The host
-  # waits for at least each episode's 2 steps (0.4 s).
+  # waits for most of the last step at least (0.2 s: with every reply sampled it has nothing
+  # else to do); it may decode other rows during the earlier steps, so not for all of them.
   assert ScriptedEnv.most_stepping >= 8, ScriptedEnv.most_stepping
-  assert 0.35 < result.metrics["rollout/env_wait_time"] < wall
+  assert 0.15 < result.metrics["rollout/env_wait_time"] < wall
   assert 0 < result.metrics["rollout/env_wait_share"] < 1
   # Sampling, env wait and host time are disjoint parts of the call (the env wait inside the
   # host's hand-offs counted once): they sum to at most the call's own wall time.
