@@ -75,7 +75,7 @@ def test_device_check_runs_small_on_the_cpu_with_a_consistent_learner_report(tmp
   env.update(
     OUT=str(tmp_path),
     PY=sys.executable,
-    PRESET="qwen3-tiny",
+    PRESETS="qwen3-tiny",
     SEQ="64",
     BATCH="2",
     NEW="8",
@@ -84,6 +84,7 @@ def test_device_check_runs_small_on_the_cpu_with_a_consistent_learner_report(tmp
     # SeeUPO on the whole batch at full length: one length program to compile instead of 4 (the
     # bucketed update equals it: tests/learner/test_learner_turn_buckets.py).
     TURN_BUCKETS="1",
+    TRAIN_ARGS="--algorithms seeupo --tasks 2 --samples 2 --num-dials 2 --rounds 1",
     SKIP_TESTS="1",
     # The GPU's limits are for a GPU: on a 2-core CPU beside other tests, the learner step's
     # compilations alone took more than its 300 s (2026-12-01).
@@ -111,6 +112,21 @@ def test_device_check_runs_small_on_the_cpu_with_a_consistent_learner_report(tmp
   assert row["seeupo_over_gspo"] == pytest.approx(row["seeupo_s"] / row["gspo_s"], rel=0.01)
   floor = 4 * row["optimizer_step_s"] + row["forward_s"]
   assert row["seeupo_over_floor"] == pytest.approx(row["seeupo_s"] / floor, rel=0.01)
+  # The synthetic iteration ran, and the table holds every step's figures.
+  table = (tmp_path / "device_check.md").read_text().splitlines()
+  steps = [line.split(" | ")[0].lstrip("| ") for line in table[2:]]
+  assert steps == [
+    "mfu qwen3-tiny attn block 256",
+    "sampler decode",
+    "synthetic iteration",
+    "learner update",
+  ]
+  assert "no report" not in "\n".join(table)
+  assert "MFU" in table[2] and "tokens/s decoding" in table[3] and "SeeUPO MFU" in table[5]
+  assert table[4].startswith("| synthetic iteration | seeupo: ") and " s an iteration" in table[4]
+  mfu_out = (tmp_path / "mfu_qwen3-tiny_attn_block_256.out").read_text()
+  mfu = json.loads([line for line in mfu_out.splitlines() if line.startswith("{")][-1])["mfu"]
+  assert f"MFU {mfu:.3f}," in table[2]
 
 
 @pytest.mark.parity
