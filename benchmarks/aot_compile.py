@@ -71,7 +71,9 @@ _DECODE_CONTEXT = flags.DEFINE_integer(
   "decode_context", 0, "Tokens each decode row holds in the KV pool (0: max_context_tokens)."
 )
 _FIT = flags.DEFINE_bool("fit", False, "If the update does not fit, try --fit_microbatches.")
-_FIT_MICRO = flags.DEFINE_list("fit_microbatches", ["2", "4", "8", "16"], "Micro-batches to try.")
+_FIT_MICRO = flags.DEFINE_list(
+  "fit_microbatches", ["2", "4", "8", "16", "32", "64"], "Micro-batches to try."
+)
 _JSON = flags.DEFINE_string("json", "", "Write every figure to this JSON file.")
 
 
