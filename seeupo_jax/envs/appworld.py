@@ -60,6 +60,7 @@ import httpx
 
 from seeupo_jax import fields
 from seeupo_jax.envs import appworld_client as client_lib
+from seeupo_jax.envs import appworld_pool as pool_lib
 from seeupo_jax.envs import base
 
 SPLITS = ("train", "dev", "test_normal", "test_challenge")
@@ -189,7 +190,7 @@ class AppWorldConfig:
       raise fields.FieldError.of(
         "appworld", "host", self.host, "a host name or address when appworld.urls is empty"
       )
-    for url in client_lib.parse_urls(self.urls):
+    for url in pool_lib.parse_urls(self.urls):
       try:
         parsed = httpx.URL(url)
       except httpx.InvalidURL as e:
@@ -248,14 +249,14 @@ def options_for_process(options: dict, index: int, count: int, local_index: int)
 def server_urls(config: AppWorldConfig) -> list[str]:
   """The pool's URLs: `urls` if given, else num_servers ports from base_port on `host`."""
   if config.urls:
-    urls = client_lib.parse_urls(config.urls)
+    urls = pool_lib.parse_urls(config.urls)
     if len(set(urls)) != len(urls):
       raise ValueError(f"appworld.urls names a server twice: {urls}")
     return urls
   return [f"http://{config.host}:{config.base_port + i}" for i in range(config.num_servers)]
 
 
-def make_pool(config: AppWorldConfig) -> client_lib.ServerPool:
+def make_pool(config: AppWorldConfig) -> pool_lib.ServerPool:
   """A `ServerPool` of the config's servers (not probed yet)."""
   clients = [
     client_lib.AppWorldClient(
@@ -268,7 +269,7 @@ def make_pool(config: AppWorldConfig) -> client_lib.ServerPool:
     )
     for url in server_urls(config)
   ]
-  return client_lib.ServerPool(
+  return pool_lib.ServerPool(
     clients, lease_timeout_s=config.lease_timeout_s, recheck_s=config.recheck_s
   )
 
@@ -364,7 +365,7 @@ class AppWorldEnv:
     docs_text: the API index put in the system prompt (`format_api_docs`).
   """
 
-  def __init__(self, config: AppWorldConfig, pool: client_lib.ServerPool, docs_text: str):
+  def __init__(self, config: AppWorldConfig, pool: pool_lib.ServerPool, docs_text: str):
     self.config = config
     self.pool = pool
     self.docs_text = docs_text
@@ -552,7 +553,7 @@ def _first_of(failures: list[tuple[str, Optional[str]]]) -> str:
   return f"{len(failures)} tried, {first} .. {last}; the first: {reason}"
 
 
-def spec(config: AppWorldConfig, pool: Optional[client_lib.ServerPool] = None) -> base.EnvSpec:
+def spec(config: AppWorldConfig, pool: Optional[pool_lib.ServerPool] = None) -> base.EnvSpec:
   """The registry entry: probes the servers, reads the API docs and the task ids.
 
   Every server is probed; the API docs and the first task of each id list are read from the

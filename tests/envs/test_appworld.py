@@ -28,6 +28,7 @@ from seeupo_jax import envs, rollout, sampling
 from seeupo_jax.text import chat_tokens, tokenizer as tokenizer_lib
 from seeupo_jax.envs import appworld as aw
 from seeupo_jax.envs import appworld_client as client_lib
+from seeupo_jax.envs import appworld_pool as pool_lib
 from seeupo_jax.models import qwen
 from seeupo_jax.training import config as config_lib
 import tiny
@@ -348,7 +349,7 @@ def test_api_docs_of_the_wrong_shape_are_a_protocol_error(start, docs, why):
 
 def test_a_lease_blocks_until_a_release_or_the_timeout(start):
   servers = start(2)
-  pool = client_lib.ServerPool([client(s.url) for s in servers], lease_timeout_s=0.3)
+  pool = pool_lib.ServerPool([client(s.url) for s in servers], lease_timeout_s=0.3)
   a, b = pool.lease(), pool.lease()
   assert {a.url, b.url} == {s.url for s in servers}
   t0 = time.perf_counter()
@@ -375,7 +376,7 @@ def test_a_lease_blocks_until_a_release_or_the_timeout(start):
 
 def test_the_pool_never_leases_a_server_twice(start):
   servers = start(4)
-  pool = client_lib.ServerPool([client(s.url) for s in servers], lease_timeout_s=10.0)
+  pool = pool_lib.ServerPool([client(s.url) for s in servers], lease_timeout_s=10.0)
   holders, lock, errors = {}, threading.Lock(), []
 
   def work(worker):
@@ -401,7 +402,7 @@ def test_the_pool_never_leases_a_server_twice(start):
 
 def test_a_failed_server_leaves_the_pool_and_rejoins_when_it_answers(start):
   servers = start(2)
-  pool = client_lib.ServerPool([client(s.url) for s in servers], recheck_s=0.2)
+  pool = pool_lib.ServerPool([client(s.url) for s in servers], recheck_s=0.2)
   first = pool.lease()
   dead = next(s for s in servers if s.url == first.url)
   port = dead.port
@@ -429,7 +430,7 @@ def test_a_failed_server_leaves_the_pool_and_rejoins_when_it_answers(start):
 
 def test_a_server_that_failed_an_episode_is_leased_last_and_only_after_a_health_check(start):
   a, b = start(2)
-  pool = client_lib.ServerPool([client(a.url), client(b.url)], lease_timeout_s=0.3, recheck_s=60)
+  pool = pool_lib.ServerPool([client(a.url), client(b.url)], lease_timeout_s=0.3, recheck_s=60)
   first, second = pool.lease(), pool.lease()
   assert (first.url, second.url) == (a.url, b.url)  # URL order at start
   # A's episode fails with a 5xx (A still answers GET /, so it stays in rotation), and is given
@@ -459,7 +460,7 @@ def test_a_server_that_failed_an_episode_is_leased_last_and_only_after_a_health_
 
 def test_a_failed_server_that_answers_its_probe_is_leased_when_no_other_is_idle(start):
   a, b = start(2)
-  pool = client_lib.ServerPool([client(a.url), client(b.url)], lease_timeout_s=0.3)
+  pool = pool_lib.ServerPool([client(a.url), client(b.url)], lease_timeout_s=0.3)
   first, second = pool.lease(), pool.lease()
   pool.release(first, client_lib.RequestRejected("HTTP 422"))
   probes = a.count("/")  # release probed it once
@@ -471,7 +472,7 @@ def test_a_failed_server_that_answers_its_probe_is_leased_when_no_other_is_idle(
 
 def test_the_replay_of_a_failed_task_waits_for_another_server_while_one_is_leased(start):
   a, b = start(2)
-  pool = client_lib.ServerPool([client(a.url), client(b.url)], lease_timeout_s=5.0)
+  pool = pool_lib.ServerPool([client(a.url), client(b.url)], lease_timeout_s=5.0)
   first, second = pool.lease("t1"), pool.lease("t2")
   assert (first.url, second.url) == (a.url, b.url)
   pool.release(first, client_lib.ServerError("POST /evaluate failed: HTTP 500"))
@@ -489,7 +490,7 @@ def test_the_replay_of_a_failed_task_waits_for_another_server_while_one_is_lease
   pool.release(first)
   pool.release(second)
   # With no other server leased, the replay takes the server that failed it (after a probe).
-  pool = client_lib.ServerPool([client(a.url), client(b.url)], lease_timeout_s=5.0)
+  pool = pool_lib.ServerPool([client(a.url), client(b.url)], lease_timeout_s=5.0)
   first, second = pool.lease("t1"), pool.lease("t2")
   pool.release(first, client_lib.ServerError("HTTP 500"))
   pool.release(second)
@@ -498,7 +499,7 @@ def test_the_replay_of_a_failed_task_waits_for_another_server_while_one_is_lease
   pool.release(first)
   pool.release(second)
   # The wait is bounded by lease_timeout_s: then it takes the failed server after all.
-  pool = client_lib.ServerPool([client(a.url), client(b.url)], lease_timeout_s=0.2)
+  pool = pool_lib.ServerPool([client(a.url), client(b.url)], lease_timeout_s=0.2)
   first, second = pool.lease("t1"), pool.lease("t2")
   pool.release(first, client_lib.ServerError("HTTP 500"))
   assert pool.lease("t1") is first
@@ -507,7 +508,7 @@ def test_the_replay_of_a_failed_task_waits_for_another_server_while_one_is_lease
 
 def test_no_answering_server_is_an_error_naming_every_url_and_the_command():
   urls = [free_url(), free_url()]
-  pool = client_lib.ServerPool([client(u) for u in urls], recheck_s=60)
+  pool = pool_lib.ServerPool([client(u) for u in urls], recheck_s=60)
   assert all("Connection refused" in why for why in pool.probe().values())
   with pytest.raises(client_lib.PoolExhausted) as info:
     pool.lease()  # all down: probed once more, then the error
