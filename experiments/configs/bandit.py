@@ -10,5 +10,5 @@ from seeupo_jax.theory import sweep
 
 
 def get_config() -> ml_collections.ConfigDict:
-  """The defaults live in `seeupo_jax.theory.sweep.default_config`."""
+  """Every `seeupo_jax.theory.sweep.BanditConfig` field with its default (declared there)."""
   return sweep.default_config()

@@ -9,6 +9,7 @@ keys for every algorithm and learning rate, so differences between
 algorithms are not differences in luck.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from seeupo_jax import fields
 from seeupo_jax.theory import algorithms
 from seeupo_jax.theory import bandit as bandit_lib
 from seeupo_jax.theory import instances
@@ -27,46 +29,51 @@ from seeupo_jax.theory import policies
 from seeupo_jax.theory import report
 
 
-def default_config() -> ml_collections.ConfigDict:
-  """Defaults of the bandit comparison (`--config=bandit`).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BanditConfig:
+  """The bandit comparison's keys (`--config=bandit`), each declared once with its default and
+  what it allows (`seeupo_jax.fields`); `default_config()` is generated from it and `validate`
+  checks a config against it.
 
-  Keys: `seed`, `num_seeds` (runs per setting); problem size
-  `num_contexts` X, `num_actions` K, `num_turns` T (2..10, with X K^T <=
-  `MAX_TRAJECTORIES`); `policy` ("tabular", "shared" or "blind"); `families`
-  and `algorithms` (comma-separated names); the family options `density`
-  (`sparse`) and `scale_orders` (`scaled`);
-  `num_iterations` I and `group_size` n (the sample budget, I * X * n
-  rollouts, is the same for every algorithm); `epochs_per_turn`,
-  `minibatches_per_turn`; `clip_eps` (policy clip), `correction_clip`
-  (SeeUPO's M clip); `gamma`, `gae_lambda`, `critic_lr` (PPO's critic);
-  `learning_rates` (the SGD grid, comma-separated; each table row uses the
-  best).
+  `seed`, `num_seeds` (runs per setting); problem size `num_contexts` X, `num_actions` K,
+  `num_turns` T (2..10, with X K^T <= `MAX_TRAJECTORIES`); `policy` ("tabular", "shared" or
+  "blind"); `families` and `algorithms` (comma-separated names); the family options `density`
+  (`sparse`) and `scale_orders` (`scaled`); `num_iterations` I and `group_size` n (the sample
+  budget, I * X * n rollouts, is the same for every algorithm); `epochs_per_turn`,
+  `minibatches_per_turn`; `clip_eps` (policy clip), `correction_clip` (SeeUPO's M clip);
+  `gamma`, `gae_lambda`, `critic_lr` (PPO's critic); `learning_rates` (the SGD grid,
+  comma-separated; each table row uses the best).
   """
-  config = ml_collections.ConfigDict()
-  config.program = "bandit"
-  config.seed = 0
-  config.num_seeds = 100
-  config.num_contexts = 3
-  config.num_actions = 2
-  config.num_turns = 4
-  config.policy = "tabular"
-  config.families = "random,trap,decoy"
-  config.algorithms = (
-    "seeupo,seeupo_forward,seeupo_random,seeupo_nocorr,seeupo_groupstd,grpo,gspo,reinforce,rloo,ppo"
+
+  program: str = fields.field(fields.one_of(("bandit",)), "bandit")
+  seed: int = fields.field(fields.int_at_least(0), 0)
+  num_seeds: int = fields.field(fields.int_at_least(2), 100)
+  num_contexts: int = fields.field(fields.int_at_least(1), 3)
+  num_actions: int = fields.field(fields.int_at_least(2), 2)
+  num_turns: int = fields.field(fields.int_in(2, 10), 4)
+  policy: str = fields.field(fields.one_of(tuple(policies.POLICIES)), "tabular")
+  families: str = fields.field(fields.STRING, "random,trap,decoy")
+  algorithms: str = fields.field(
+    fields.STRING,
+    "seeupo,seeupo_forward,seeupo_random,seeupo_nocorr,seeupo_groupstd,grpo,gspo,reinforce,rloo,ppo",
   )
-  config.density = 0.05
-  config.scale_orders = 2.0
-  config.num_iterations = 200
-  config.group_size = 16
-  config.epochs_per_turn = 2
-  config.minibatches_per_turn = 2
-  config.clip_eps = 0.2
-  config.correction_clip = 0.2
-  config.gamma = 1.0
-  config.gae_lambda = 1.0
-  config.critic_lr = 1.0
-  config.learning_rates = "0.3,1,3,10"
-  return config
+  density: float = fields.field(fields.number_in(0, 1, open_low=True), 0.05)
+  scale_orders: float = fields.field(fields.number_at_least(0), 2.0)
+  num_iterations: int = fields.field(fields.int_at_least(1), 200)
+  group_size: int = fields.field(fields.int_at_least(1), 16)
+  epochs_per_turn: int = fields.field(fields.int_at_least(1), 2)
+  minibatches_per_turn: int = fields.field(fields.int_at_least(1), 2)
+  clip_eps: float = fields.field(fields.number_above(0), 0.2)
+  correction_clip: float = fields.field(fields.number_above(0), 0.2)
+  gamma: float = fields.field(fields.number_in(0, 1), 1.0)
+  gae_lambda: float = fields.field(fields.number_in(0, 1), 1.0)
+  critic_lr: float = fields.field(fields.number_above(0), 1.0)
+  learning_rates: str = fields.field(fields.STRING, "0.3,1,3,10")
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """Defaults of the bandit comparison (`--config=bandit`): every `BanditConfig` field."""
+  return ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(BanditConfig)})
 
 
 class SettingResult(NamedTuple):
@@ -113,26 +120,30 @@ def learning_rates(config: ml_collections.ConfigDict) -> np.ndarray:
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Checks every name in the config before anything is compiled."""
+  """Checks every key, name and size of the config before anything is compiled.
+
+  Raises:
+    ValueError: naming the key and what it allows (a `fields.FieldError` for the keys'
+      own values: "num_turns=11; allowed: an int in [2, 10]").
+  """
+  names = [f.name for f in dataclasses.fields(BanditConfig)]
+  unknown = sorted(set(config.keys()) - set(names))
+  if unknown:
+    raise ValueError(f"unknown config key {unknown[0]!r}; known: {names}")
+  missing = [n for n in names if n not in config]
+  if missing:
+    raise ValueError(f"config key {missing[0]!r} is missing")
+  fields.check(BanditConfig(**{n: config[n] for n in names}), prefix="")
   for name in _names(config.algorithms, "algorithms"):
     algorithms.get_algorithm(name)
   for name in _names(config.families, "families"):
     instances.make_family(name, config)
-  if config.policy not in policies.POLICIES:
-    raise ValueError(
-      f"unknown policy {config.policy!r} (config key "
-      f"`policy`); allowed: {sorted(policies.POLICIES)}"
-    )
-  if not 2 <= config.num_turns <= 10:
-    raise ValueError(f"config key `num_turns` must be in 2..10, got {config.num_turns}")
   trajectories = int(config.num_contexts) * int(config.num_actions) ** int(config.num_turns)
   if trajectories > MAX_TRAJECTORIES:
     raise ValueError(
       f"num_contexts * num_actions ** num_turns = {trajectories} trajectories (config keys "
       f"`num_contexts`, `num_actions`, `num_turns`); allowed: <= {MAX_TRAJECTORIES}"
     )
-  if int(config.num_seeds) < 2:
-    raise ValueError(f"config key `num_seeds` must be >= 2, got {config.num_seeds}")
   learning_rates(config)
 
 

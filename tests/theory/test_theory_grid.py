@@ -1,6 +1,7 @@
 """The theory grid: the new families and the blind policy by hand, paired statistics by hand,
 and the grid's cells equal to the sweep they run (and read back, not recomputed)."""
 
+import dataclasses
 import itertools
 import pathlib
 import subprocess
@@ -216,8 +217,32 @@ def test_sweep_takes_ten_turns_and_refuses_eleven():
   config.num_turns = 10
   sweep.validate(config)
   config.num_turns = 11
-  with pytest.raises(ValueError, match="`num_turns` must be in 2..10, got 11"):
+  with pytest.raises(ValueError, match=r"^num_turns=11; allowed: an int in \[2, 10\]$"):
     sweep.validate(config)
   config.update(num_turns=8, num_actions=4)
   with pytest.raises(ValueError, match=r"196608 trajectories .*allowed: <= 12288"):
+    sweep.validate(config)
+
+
+def test_bandit_keys_are_declared_once_and_checked_with_their_allowed_values():
+  """`default_config()` is `BanditConfig`'s fields with their defaults; `validate` names every
+  refused key with what it allows, an unknown key, and a missing one."""
+  config = sweep.default_config()
+  assert sorted(config.keys()) == sorted(f.name for f in dataclasses.fields(sweep.BanditConfig))
+  assert config.num_turns == 4 and config.group_size == 16 and config.policy == "tabular"
+  sweep.validate(config)
+  config.update(num_seeds=1, density=0.0, gamma=1.5)
+  with pytest.raises(ValueError) as error:
+    sweep.validate(config)
+  assert str(error.value) == (
+    "num_seeds=1; allowed: an int >= 2; density=0.0; allowed: a number in (0, 1]; "
+    "gamma=1.5; allowed: a number in [0, 1]"
+  )
+  config = sweep.default_config()
+  config.unlock()
+  config.num_sedes = 3
+  with pytest.raises(ValueError, match="unknown config key 'num_sedes'; known: "):
+    sweep.validate(config)
+  del config["num_sedes"], config["gamma"]
+  with pytest.raises(ValueError, match="config key 'gamma' is missing"):
     sweep.validate(config)
