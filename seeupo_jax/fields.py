@@ -82,6 +82,15 @@ def allowed_of(cls, name: str) -> Allowed:
   raise KeyError(f"{cls.__name__}.{name} declares no Allowed")
 
 
+def default_of(cls, name: str) -> Any:
+  """The default of field `name` of dataclass `cls` (`dataclasses.MISSING` if it has none), so
+  another declaration can take it by reference instead of repeating it."""
+  for f in dataclasses.fields(cls):
+    if f.name == name:
+      return f.default
+  raise KeyError(f"{cls.__name__} has no field {name!r}")
+
+
 def problems(obj) -> list[Problem]:
   """The fields of dataclass instance `obj` whose values their `Allowed` refuses."""
   out = []

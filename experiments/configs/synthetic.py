@@ -16,6 +16,7 @@ from seeupo_jax.envs import synthetic
 
 def get_config():
   config = base.training_config()
+  config.model.preset = "qwen3-tiny"  # initialised from scratch, sized for a 2-core CPU
   config.env.name = "synthetic"
   # Every SyntheticConfig field, so each can be overridden (--config.env.num_dials=4).
   defaults = {f.name: f.default for f in dataclasses.fields(synthetic.SyntheticConfig)}
@@ -26,8 +27,16 @@ def get_config():
   defaults["decoys"] = False
   defaults["labels"] = False
   config.env.update(defaults)
-  # 32 tasks x 8 samples: less noise in the policy gradient while the model sits at chance.
-  config.rollout.tasks_per_iteration = 32
+  # One turn per dial; the reply is read from its first character.
+  config.rollout.max_turns = 3
+  config.rollout.max_reply_tokens = 1
+  config.rollout.max_context_tokens = 160
+  config.rollout.max_env_tokens = 64
+  # 32 tasks x 8 samples (the declared default): less noise in the policy gradient while the
+  # model sits at chance.
+  # From scratch the paper's learning rate (1e-6, for a pretrained 14B model) would not move it.
+  config.optimizer.learning_rate = 1e-3
+  config.optimizer.weight_decay = 0.0
   # The KL to the initial (near-uniform) policy keeps every clue's other answer sampled: without
   # it a digit can lock onto the wrong answer for good (p = 1, no reward signal left).
   config.learner.kl_coef = 0.01

@@ -9,6 +9,7 @@ See `base.py` for the protocol every environment follows.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping
 
 from seeupo_jax.envs import appworld
@@ -28,9 +29,14 @@ def _synthetic(options: Mapping[str, Any]) -> EnvSpec:
   return synthetic.spec(synthetic.SyntheticConfig(**options))
 
 
-def _bfcl(options: Mapping[str, Any]) -> EnvSpec:
+def _bfcl_module():
   from seeupo_jax.envs import bfcl  # noqa: PLC0415  (reads the bfcl-eval package on use)
 
+  return bfcl
+
+
+def _bfcl(options: Mapping[str, Any]) -> EnvSpec:
+  bfcl = _bfcl_module()
   return bfcl.spec(bfcl.BfclConfig(**options))
 
 
@@ -39,6 +45,40 @@ REGISTRY: dict[str, Callable[[Mapping[str, Any]], EnvSpec]] = {
   "bfcl": _bfcl,
   "appworld": appworld.make_spec,
 }
+
+
+_OPTIONS: dict[str, Callable[[], type]] = {
+  "synthetic": lambda: synthetic.SyntheticConfig,
+  "bfcl": lambda: _bfcl_module().BfclConfig,
+  "appworld": lambda: appworld.AppWorldConfig,
+}
+"""Each environment's options dataclass (its fields declared and checked with `seeupo_jax.fields`)."""
+
+
+def options_class(name: str) -> type:
+  """The dataclass of environment `name`'s options (`SyntheticConfig`, `BfclConfig`, ...).
+
+  Raises:
+    ValueError: unknown name (the message lists the registered ones).
+  """
+  if name not in _OPTIONS:
+    raise ValueError(f"unknown environment {name!r}; allowed: {sorted(REGISTRY)}")
+  return _OPTIONS[name]()
+
+
+def check_options(name: str, options: Mapping[str, Any]) -> None:
+  """Checks environment `name`'s options against its dataclass, without building anything.
+
+  Raises:
+    ValueError: an unknown environment or option (naming the known ones).
+    seeupo_jax.fields.FieldError: a refused value, named as the options' field.
+  """
+  cls = options_class(name)
+  known = [f.name for f in dataclasses.fields(cls)]
+  unknown = sorted(set(options) - set(known))
+  if unknown:
+    raise ValueError(f"{unknown[0]}: unknown option of environment {name!r}; known: {known}")
+  cls(**options)
 
 
 # Environments whose instances live on servers: each process of a multi-process run gets its
@@ -86,6 +126,8 @@ __all__ = [
   "Reset",
   "Score",
   "Step",
+  "check_options",
   "make_spec",
+  "options_class",
   "process_options",
 ]

@@ -14,20 +14,25 @@ missing key, or a key nothing reads. A value has one name: `rollout.max_turns` i
 `num_turns` too (there is no `learner.num_turns` key), `rollout.max_reply_tokens` the sampler's
 `max_new_tokens`.
 
-Not checked here: the environment's own options (`env.*` but `name`), which its config dataclass
-checks with the same helper when `envs.make_spec` makes it (the trainer reports that as a
-ConfigError too); the model checkpoint's files; the mesh against the devices present.
+The environment's options (`env.*` but `name`) are checked here too, against the family's own
+options dataclass (`envs.options_class`: `SyntheticConfig`, `BfclConfig`, `AppWorldConfig`), and
+named as config keys (`env.num_dials=0; allowed: an int >= 1`). Not checked here: what needs
+files, servers or devices (the environment's data, the model checkpoint's files, the mesh
+against the devices present), which `program.build` checks before any work starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import types
 from typing import Any, Mapping
 
 import ml_collections
+from ml_collections import config_dict
 
+from seeupo_jax import envs
 from seeupo_jax import fields
 from seeupo_jax import learner
 from seeupo_jax import rollout
@@ -52,21 +57,39 @@ class ConfigError(ValueError):
 _POSITIVE = fields.int_at_least(1)
 
 
-def _like(cls, name: str, note: str | None = None, *, description: str | None = None) -> Any:
-  """A field that allows what field `name` of dataclass `cls` allows (one declaration): in
-  `cls`'s words, with a `note` after them, or in the config's own `description`."""
+_INHERIT = object()
+
+
+def _like(
+  cls,
+  name: str,
+  note: str | None = None,
+  *,
+  description: str | None = None,
+  default: Any = _INHERIT,
+) -> Any:
+  """A field that allows what field `name` of dataclass `cls` allows, and has its default (one
+  declaration of both): in `cls`'s words, with a `note` after them, or in the config's own
+  `description`. `default=dataclasses.MISSING`: no default here (each config file sets it)."""
   allowed = fields.allowed_of(cls, name)
   if description is not None:
     allowed = fields.Allowed(allowed.ok, description)
-  return fields.field(fields.described(allowed, note) if note else allowed)
+  if default is _INHERIT:
+    default = fields.default_of(cls, name)
+  return fields.field(fields.described(allowed, note) if note else allowed, default)
 
 
-@dataclasses.dataclass(frozen=True)
+def _optimizer_default(name: str) -> Any:
+  """The default of `learner.default_optimizer`'s argument `name` (the authors' settings)."""
+  return inspect.signature(learner.default_optimizer).parameters[name].default
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSection:
-  """`model`: which model, in which dtypes (`trainer.build_model`)."""
+  """`model`: which model, in which dtypes (`program.build_model_config`)."""
 
-  preset: str = fields.field(fields.STRING)  # used when path is empty ("": none)
-  path: str = fields.field(fields.STRING)  # a local HF checkpoint directory
+  preset: str = fields.field(fields.STRING, "")  # used when path is empty ("": none)
+  path: str = fields.field(fields.STRING, "")  # a local HF checkpoint directory
   dtype: str = _like(model_config_lib.ModelConfig, "dtype")
   param_dtype: str = _like(model_config_lib.ModelConfig, "param_dtype")
   remat: str = _like(model_config_lib.ModelConfig, "remat")
@@ -81,14 +104,15 @@ class EnvSection:
   options: Mapping[str, Any]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutSection:
   """`rollout`: the batch, the limits, the sampler and the engine (`RolloutConfig`'s fields, each
   under its own name, allow what `RolloutConfig` allows; the sampler session's geometry allows
-  what `sampling.SessionConfig` allows, `decode_slots` its `rows`)."""
+  what `sampling.SessionConfig` allows, `decode_slots` its `rows`). Defaults are theirs; the
+  batch, the turn limit and the lengths depend on the task: each config file sets them."""
 
-  tasks_per_iteration: int = fields.field(_POSITIVE)  # B
-  samples_per_task: int = fields.field(_POSITIVE)  # n, the group size
+  tasks_per_iteration: int = fields.field(_POSITIVE, 32)  # B (the paper's)
+  samples_per_task: int = fields.field(_POSITIVE, 8)  # n, the group size (the paper's)
   max_reply_tokens: int = _like(sampling.SamplingConfig, "max_new_tokens")
   temperature: float = _like(  # the sampler's words name its own `greedy`, not a config key
     sampling.SamplingConfig,
@@ -99,11 +123,13 @@ class RolloutSection:
   top_k: int = _like(sampling.SamplingConfig, "top_k")
   top_p: float = _like(sampling.SamplingConfig, "top_p")
   decode_tensor_parallel: int = fields.field(
-    fields.described(fields.int_at_least(0), "0: one data slice's devices")
+    fields.described(fields.int_at_least(0), "0: one data slice's devices"), 0
   )
   max_turns: int = _like(rollout.RolloutConfig, "max_turns")
-  max_context_tokens: int = _like(rollout.RolloutConfig, "max_context_tokens")
-  max_env_tokens: int = _like(rollout.RolloutConfig, "max_env_tokens")
+  max_context_tokens: int = _like(
+    rollout.RolloutConfig, "max_context_tokens", default=dataclasses.MISSING
+  )
+  max_env_tokens: int = _like(rollout.RolloutConfig, "max_env_tokens", default=dataclasses.MISSING)
   env_workers: int = _like(rollout.RolloutConfig, "env_workers")
   env_isolation: str = _like(rollout.RolloutConfig, "env_isolation")
   env_call_timeout_s: float = _like(rollout.RolloutConfig, "env_call_timeout_s")
@@ -142,40 +168,46 @@ class RolloutSection:
     return min(self.max_context_tokens, self.max_turns * self.max_reply_tokens)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerSection:
-  """`optimizer`: global-norm clip, then AdamW with an optional linear warm-up."""
+  """`optimizer`: global-norm clip, then AdamW with an optional linear warm-up; the defaults are
+  `learner.default_optimizer`'s (the authors')."""
 
-  learning_rate: float = fields.field(fields.number_above(0))
-  weight_decay: float = fields.field(fields.number_at_least(0))
-  max_grad_norm: float = fields.field(fields.number_above(0))
-  warmup_steps: int = fields.field(fields.int_at_least(0))
-  master_weights: bool = fields.field(fields.BOOL)
+  learning_rate: float = fields.field(fields.number_above(0), _optimizer_default("learning_rate"))
+  weight_decay: float = fields.field(fields.number_at_least(0), _optimizer_default("weight_decay"))
+  max_grad_norm: float = fields.field(fields.number_above(0), _optimizer_default("max_grad_norm"))
+  warmup_steps: int = fields.field(fields.int_at_least(0), _optimizer_default("warmup_steps"))
+  # bf16 params: float32 masters and moments (False: updates below bf16's spacing round away)
+  master_weights: bool = fields.field(fields.BOOL, True)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalSection:
   """`eval`: avg@k / pass@k on `num_tasks` eval tasks, every `every` iterations (0: at the end)."""
 
-  every: int = fields.field(fields.int_at_least(0))
-  num_tasks: int = fields.field(_POSITIVE)
-  k: int = fields.field(_POSITIVE)
-  greedy: bool = fields.field(fields.BOOL)
-  tasks_per_call: int = fields.field(_POSITIVE)
+  every: int = fields.field(fields.int_at_least(0), 25)
+  num_tasks: int = fields.field(_POSITIVE, 64)
+  k: int = fields.field(_POSITIVE, 4)
+  greedy: bool = fields.field(fields.BOOL, False)
+  tasks_per_call: int = fields.field(_POSITIVE, 64)  # eval tasks played in one rollout call
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointSection:
-  every: int = fields.field(_POSITIVE)
-  keep: int = fields.field(_POSITIVE)
+  """`checkpoint`: save every `every` iterations, keep the newest `keep`."""
+
+  every: int = fields.field(_POSITIVE, 25)
+  keep: int = fields.field(_POSITIVE, 3)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LogSection:
-  tensorboard: bool = fields.field(fields.BOOL)
-  progress_bar: bool = fields.field(fields.BOOL)
-  plot: bool = fields.field(fields.BOOL)
-  trajectories: int = fields.field(fields.int_at_least(0))
+  """`log`: the writers (`writers.py`); `trajectories` of each iteration to trajectories.jsonl."""
+
+  tensorboard: bool = fields.field(fields.BOOL, True)
+  progress_bar: bool = fields.field(fields.BOOL, True)
+  plot: bool = fields.field(fields.BOOL, True)
+  trajectories: int = fields.field(fields.int_at_least(0), 2)
 
 
 _MESH_AXIS = fields.Allowed(
@@ -183,26 +215,29 @@ _MESH_AXIS = fields.Allowed(
 )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshSection:
-  data: int = fields.field(_MESH_AXIS)
-  fsdp: int = fields.field(_MESH_AXIS)
-  tensor: int = fields.field(_MESH_AXIS)
+  """`mesh`: the learner's device mesh (-1: the devices the other axes leave)."""
+
+  data: int = fields.field(_MESH_AXIS, 1)
+  fsdp: int = fields.field(_MESH_AXIS, -1)
+  tensor: int = fields.field(_MESH_AXIS, 1)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
   """The whole training config, typed and checked (`typed` makes it).
 
   source: the config as nested plain dicts (its JSON), what checkpoints record and compare.
   """
 
-  program: str = fields.field(fields.one_of(PROGRAMS))
-  seed: int = fields.field(fields.int_at_least(0))
-  num_iterations: int = fields.field(_POSITIVE)
-  save_hf: bool = fields.field(fields.BOOL)
-  policy: str = fields.field(fields.one_of(POLICIES))
-  eval_only: bool = fields.field(fields.BOOL)
+  program: str = fields.field(fields.one_of(PROGRAMS), "train")
+  seed: int = fields.field(fields.int_at_least(0), 0)
+  num_iterations: int = fields.field(_POSITIVE, 300)
+  save_hf: bool = fields.field(fields.BOOL, False)  # also write an HF checkpoint at the end
+  # "oracle": play every task with the environment's oracle (no model)
+  policy: str = fields.field(fields.one_of(POLICIES), "model")
+  eval_only: bool = fields.field(fields.BOOL, False)  # evaluate the latest checkpoint, no training
   model: ModelSection
   chat_template_kwargs: Mapping[str, Any]
   env: EnvSection
@@ -240,6 +275,49 @@ _LEARNER_KEYS = tuple(  # every LearnerConfig field but num_turns (= rollout.max
 )
 
 
+def _placeholder(annotation: str) -> Any:
+  """An unset value a flag can still set: `config_dict.placeholder` of the field's type (from its
+  annotation's text, as postponed annotations leave it: "int", "Optional[float]", ...)."""
+  kind = next((t for t in (bool, int, str) if t.__name__ in annotation), float)
+  return config_dict.placeholder(kind)
+
+
+def _section_defaults(cls, skip: tuple[str, ...] = ()) -> ml_collections.ConfigDict:
+  """Every field of dataclass `cls` (but `skip`) with its default; a field without a default, or
+  with None, as a typed placeholder (which `typed` refuses until a config file sets it)."""
+  section = ml_collections.ConfigDict()
+  for f in dataclasses.fields(cls):
+    if f.name in skip:
+      continue
+    value = f.default
+    if value is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+      value = f.default_factory()
+    if value is dataclasses.MISSING or value is None:
+      value = _placeholder(str(f.type))
+    section[f.name] = value
+  return section
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """Every key of the training config with its default, generated from the dataclasses above and
+  the library's (`LearnerConfig`, `RolloutConfig`, `SessionConfig`, `SamplingConfig`,
+  `ModelConfig`, `default_optimizer`): each default is declared once, in its dataclass.
+
+  The keys that depend on the task have no default (`rollout.max_turns`, `max_reply_tokens`,
+  `max_context_tokens`, `max_env_tokens`, `env.name`): they are placeholders that each config
+  file of `experiments/configs` sets, and `typed` names any left unset.
+  """
+  c = ml_collections.ConfigDict()
+  for name in _SCALARS:
+    c[name] = fields.default_of(TrainConfig, name)
+  for name, cls in _SECTIONS.items():
+    c[name] = _section_defaults(cls)
+  c.chat_template_kwargs = ml_collections.ConfigDict()  # e.g. enable_thinking=False (Qwen3)
+  c.env = ml_collections.ConfigDict({"name": config_dict.placeholder(str)})
+  c.learner = _section_defaults(learner.LearnerConfig, skip=("num_turns",))
+  return c
+
+
 def _keys_of(values: Mapping[str, Any], names, prefix: str, problems: list[str]) -> dict:
   """`values` restricted to `names`; a missing or unknown key is a problem."""
   missing = [n for n in names if n not in values]
@@ -263,6 +341,31 @@ def _section(cls, values: Any, name: str, problems: list[str]):
   if refused:
     problems.append(str(fields.FieldError(name, refused)))
   return section
+
+
+def _env_problems(env: Mapping[str, Any], r: RolloutSection | None) -> list[str]:
+  """The `env` section checked against its environment's options dataclass (`SyntheticConfig`,
+  `BfclConfig`, `AppWorldConfig`), each refusal named as the config's key."""
+  name = env["name"]
+  if name not in envs.REGISTRY:
+    return [f"env.name={name!r}; allowed: one of {sorted(envs.REGISTRY)}"]
+  options = {k: v for k, v in env.items() if k != "name"}
+  limit = TURN_LIMIT_OPTIONS.get(name)
+  known = [f.name for f in dataclasses.fields(envs.options_class(name)) if f.name != limit]
+  unknown = sorted(set(options) - set(known))
+  if unknown:
+    return [f"env.{k}: unknown key; known: {known}" for k in unknown]
+  if limit is not None:
+    if r is None or not fields.is_int(r.max_turns):
+      return []  # refused as rollout.max_turns
+    options[limit] = r.max_turns
+  try:
+    envs.check_options(name, options)
+  except fields.FieldError as e:
+    return [str(e.under("env"))]
+  except ValueError as e:  # a check of several options, in the environment's words
+    return [str(e).replace(f"{name}.", "env.", 1)]
+  return []
 
 
 def learner_config(section: Mapping[str, Any], r: RolloutSection) -> learner.LearnerConfig:
@@ -302,7 +405,7 @@ def typed(config: ml_collections.ConfigDict | TrainConfig) -> TrainConfig:
   """The config as a checked `TrainConfig` (one already typed is returned as it is).
 
   Args:
-    config: a training config (`experiments/configs/base.py`'s shape), overrides applied.
+    config: a training config (`defaults()`'s keys), overrides applied.
 
   Raises:
     ConfigError: naming every bad key and what it allows (a missing key, an unknown one, a
@@ -322,6 +425,8 @@ def typed(config: ml_collections.ConfigDict | TrainConfig) -> TrainConfig:
   elif TURN_LIMIT_OPTIONS.get(env["name"]) in env:
     key = TURN_LIMIT_OPTIONS[env["name"]]
     problems.append(f"env.{key}: not a key; the reply limit is rollout.max_turns (one name)")
+  else:
+    problems += _env_problems(env, sections["rollout"])
   chat = values.get("chat_template_kwargs", {})
   if not isinstance(chat, Mapping):
     problems.append(f"chat_template_kwargs={chat!r}; allowed: a section of keyword arguments")

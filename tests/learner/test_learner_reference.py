@@ -289,11 +289,10 @@ def test_training_program_sets_norm_length_to_the_generation_budget():
   import sys
 
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-  from experiments.configs import base  # pylint: disable=g-import-not-at-top
+  from experiments import configs  # pylint: disable=g-import-not-at-top
   from seeupo_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
 
-  c = base.training_config()
-  c.env.name = "synthetic"
+  c = configs.get_config("synthetic")
   assert c.learner.norm_length is None
   c.rollout.max_turns, c.rollout.max_reply_tokens, c.rollout.max_context_tokens = 3, 40, 160
   assert config_lib.typed(c).learner.norm_length is None  # SeeUPO

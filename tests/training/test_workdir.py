@@ -656,6 +656,8 @@ def test_run_py_refuses_a_truncated_model_safetensors_naming_it(tmp_path, jax_ca
     ("checkpoint.every", 0, "an int >= 1"),
     ("log.trajectories", -1, "an int >= 0"),
     ("num_iterations", 0, "an int >= 1"),
+    ("env.num_dials", 0, "an int >= 1"),
+    ("env.partial_credit", 1.5, "a number in [0, 1]"),
   ],
 )
 def test_validation_names_the_key_and_what_is_allowed(key, value, allowed):
@@ -698,6 +700,84 @@ def test_typed_config_is_one_frozen_tree_with_one_name_per_value():
     "rollout.top_p=0.0; allowed: a number in (0, 1] (1: off); eval.k=0; allowed: an int >= 1; "
     "mesh.fsdp=0; allowed: an int >= 1, or -1 (the devices left)"
   )
+
+
+def test_every_key_has_its_default_from_the_one_dataclass_that_declares_it():
+  """`config_lib.defaults()` holds every key `typed` reads; a value shared with a library
+  dataclass (or `default_optimizer`) is that declaration's default, read here from the library
+  itself; the task's keys are unset, and `typed` names each of them."""
+  import inspect  # noqa: PLC0415
+
+  from seeupo_jax import learner, rollout, sampling  # noqa: PLC0415
+  from seeupo_jax.models import config as model_config  # noqa: PLC0415
+
+  def declared(cls, name):
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+  optimizer = inspect.signature(learner.default_optimizer).parameters
+  shared = {
+    "rollout.env_workers": declared(rollout.RolloutConfig, "env_workers"),
+    "rollout.scheduler": declared(rollout.RolloutConfig, "scheduler"),
+    "rollout.episode_retries": declared(rollout.RolloutConfig, "episode_retries"),
+    "rollout.decode_slots": declared(sampling.SessionConfig, "rows"),
+    "rollout.prefill_rows": declared(sampling.SessionConfig, "prefill_rows"),
+    "rollout.page_size": declared(sampling.SessionConfig, "page_size"),
+    "rollout.temperature": declared(sampling.SamplingConfig, "temperature"),
+    "rollout.top_p": declared(sampling.SamplingConfig, "top_p"),
+    "model.dtype": declared(model_config.ModelConfig, "dtype"),
+    "model.scan_layers": declared(model_config.ModelConfig, "scan_layers"),
+    "learner.kl_coef": declared(learner.LearnerConfig, "kl_coef"),
+    "learner.clip_low": declared(learner.LearnerConfig, "clip_low"),
+    "learner.algorithm": declared(learner.LearnerConfig, "algorithm"),
+    "optimizer.learning_rate": optimizer["learning_rate"].default,
+    "optimizer.weight_decay": optimizer["weight_decay"].default,
+    "optimizer.max_grad_norm": optimizer["max_grad_norm"].default,
+  }
+  config = config_lib.defaults()
+  flat = {}
+  for section, values in config.items():
+    if hasattr(values, "items"):
+      flat.update({f"{section}.{k}": v for k, v in values.items()})
+    else:
+      flat[section] = values
+  for key, value in shared.items():
+    assert flat[key] == value, key
+  # The same keys as the shipped config files, no more and no fewer (the env options aside).
+  synthetic = configs.get_config("synthetic")
+  for section, values in synthetic.items():
+    if section != "env" and hasattr(values, "keys"):
+      assert sorted(values.keys()) == sorted(config[section].keys()), section
+  assert sorted(k for k in synthetic.keys()) == sorted(config.keys())
+  # The task's keys have no default: `typed` names each one a config file left unset.
+  with pytest.raises(config_lib.ConfigError) as error:
+    config_lib.typed(config)
+  for key in ("rollout.max_turns", "rollout.max_reply_tokens", "rollout.max_context_tokens"):
+    assert f"{key}=None; allowed: an int >= 1" in str(error.value), key
+  assert "env.name: missing" in str(error.value)
+
+
+def test_typed_config_checks_the_environment_options_against_their_family():
+  """The `env` section is checked at the boundary against the family's options dataclass: an
+  unknown environment, an unknown option and a refused range, each named as the config's key."""
+  config = _config()
+  config.env.name = "nope"
+  with pytest.raises(config_lib.ConfigError) as error:
+    config_lib.typed(config)
+  assert str(error.value) == "env.name='nope'; allowed: one of ['appworld', 'bfcl', 'synthetic']"
+  config = _config()
+  config.env.unlock()
+  config.env.num_dails = 3
+  with pytest.raises(config_lib.ConfigError, match=r"^env.num_dails: unknown key; known: \["):
+    config_lib.typed(config)
+  bfcl = configs.get_config("bfcl")
+  bfcl.env.train_tasks = "multi_turn_base:5-1"
+  with pytest.raises(config_lib.ConfigError) as error:
+    config_lib.typed(bfcl)
+  assert str(error.value) == "env.train_tasks: empty range 'multi_turn_base:5-1'"
+  appworld = configs.get_config("appworld")
+  appworld.env.num_servers = 70000
+  with pytest.raises(config_lib.ConfigError, match=r"^env.num_servers=70000; allowed: at most "):
+    config_lib.typed(appworld)
 
 
 def test_typed_config_refuses_a_key_nothing_reads_and_a_missing_key():
