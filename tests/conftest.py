@@ -20,13 +20,16 @@ several tests' subprocesses compile (the same config, shapes and devices) compil
 of a short `run.py` is compilation on 2 cores (69 s cold, 25 s from the cache, 2026-12-02). The
 test processes (the xdist workers) use it too: tests that build the same tiny programs afresh
 (a new closure each, so jit's in-memory cache misses) compile them once (the learner's TIS and
-mask tests: 103 s without it, 74.5 s with it, 2026-12-02). A test that times compilation or
+mask tests: 103 s without it, 74.5 s with it, 2026-12-02). Only programs that took at least
+`CACHE_MIN_COMPILE_SECS` to compile are cached (below). A test that times compilation or
 reads a compiled executable's HLO is marked `fresh_compiles`: it runs with the cache off. A
 size limit turns on JAX's file lock around every read and write of the cache (and evicts the
 least recently used entries beyond it). A process a test kills with SIGKILL must not write to
 it (a torn entry): such tests turn it off for it (`JAX_ENABLE_COMPILATION_CACHE=false`) or hand
 it a cache of its own that an earlier run of the same programs filled, in the same directory (the
-keys of JAX's entries depend on the cache's path: a copy elsewhere is never read).
+keys of JAX's entries depend on the cache's path: a copy elsewhere is never read), with every
+program cached (`JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0`: a program's compile time varies,
+and one cached by neither run would be written by the killed one).
 
 The notebooks, in a run that also collects tests/ (`pytest --nbmake tests notebooks`), run with
 SEEUPO_NOTEBOOK_QUICK=1: every cell on fewer seeds and iterations (each notebook says which), so
@@ -48,12 +51,19 @@ os.environ.setdefault("XLA_FLAGS", processes.xla_flags(devices=8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("SEEUPO_NOTEBOOK_QUICK", "1")  # the notebooks' kernels inherit it
 
+CACHE_MIN_COMPILE_SECS = "1"
+"""Programs that compiled in less time than this are not written to the cache (nor looked up):
+the many tiny programs of eager op-by-op dispatch and small unit tests cost more to write, lock
+and read than to compile again. Measured on the 2-core CPU, 2026-12-05, one pytest process each:
+tests/learner/test_losses.py 65.4 s with every program cached (0 s), 47.2 s at 1 s, 45.4 s with
+no cache; test_learner_tis.py and test_theory_bandit.py 124.4 s at 0 s, 110.0 s at 1 s."""
+
 _CACHE_VAR = "SEEUPO_TEST_COMPILATION_CACHE"
 _OWN_CACHE = None
 if _CACHE_VAR not in os.environ:  # the session's first pytest process
   _OWN_CACHE = os.environ[_CACHE_VAR] = tempfile.mkdtemp(prefix="seeupo_jax_test_cache_")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ[_CACHE_VAR])
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", CACHE_MIN_COMPILE_SECS)
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 import hypothesis  # noqa: E402

@@ -71,14 +71,15 @@ def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
   # The uninterrupted run fills a compilation cache of its own, which the later runs read: it
   # holds every program of the run that gets killed, so that run only reads it (a kill cannot
   # leave half an entry behind).
-  cache = tmp_path / "jax_cache"
-  proc = _run(f"--workdir={whole}", *args, JAX_COMPILATION_CACHE_DIR=str(cache))
+  cache = dict(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
+  cache.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # every program (conftest)
+  proc = _run(f"--workdir={whole}", *args, **cache)
   assert proc.returncode == 0, proc.stderr[-3000:]
 
   killed = tmp_path / "killed"
   child = subprocess.Popen(
     [sys.executable, _RUN, f"--workdir={killed}", *args],
-    env=_env(JAX_COMPILATION_CACHE_DIR=str(cache)),
+    env=_env(**cache),
     cwd=_ROOT,
     stdout=subprocess.DEVNULL,
     stderr=subprocess.DEVNULL,
@@ -92,7 +93,7 @@ def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
   child.wait()
   assert not (killed / "hf_policy").exists()
 
-  proc = _run(f"--workdir={killed}", *args, JAX_COMPILATION_CACHE_DIR=str(cache))
+  proc = _run(f"--workdir={killed}", *args, **cache)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "resuming" in proc.stdout + proc.stderr
   # The same final parameters, bit for bit, and the same per-iteration metrics, each iteration once.
