@@ -227,6 +227,9 @@ def _main(argv: list[str], name: str) -> None:
   except trainer.ConfigError as e:
     print(f"error: bad config for --config={name}: {e}", file=sys.stderr)
     sys.exit(2)
+  except trainer.Preempted as e:  # SIGTERM/SIGINT: saved; the same command resumes
+    print(f"stopped: --config={name}: {e}", file=sys.stderr)
+    sys.exit(trainer.preemption.EXIT_STATUS)
   except (rollout.EnvironmentFailure, rollout.EnvCallFailed, oracle.OracleFailure) as e:
     log = write_error_log(workdir)
     print(f"error: --config={name}: {one_line(e)} (traceback in {log})", file=sys.stderr)

@@ -12,8 +12,14 @@ One orbax `CheckpointManager` (as MaxText's `common/checkpointing.py`) holds, pe
 iteration, four items: `train_state` (any pytree of arrays, e.g. a learner `TrainState`, sharded
 or not), `rng` (the key data of the PRNG key), `progress` (a JSON dict of the loop's position)
 and `manifest` (JSON: every leaf's path, shape and dtype, the key's kind and the run's config).
-Saves are synchronous: when `save` returns, the checkpoint is complete on disk, so a kill -9
-after it cannot lose it. Orbax writes each checkpoint into `<iteration>.orbax-checkpoint-tmp-*`
+A synchronous save (`asynchronous=False`) returns when the checkpoint is complete on disk, so a
+kill -9 after it cannot lose it. An asynchronous one (`asynchronous=True`, the training
+program's default: `checkpoint.asynchronous`) returns once the arrays are copied to host memory
+(orbax's blocking part; the next update may then donate the device buffers) and writes the files
+in a background thread while training goes on; the next `save` and `close` wait for it first, so
+at most one save is in flight and a program that ends has every checkpoint it saved. A kill -9
+while an asynchronous save is in flight loses that checkpoint only: the run resumes from the one
+before. Orbax writes each checkpoint into `<iteration>.orbax-checkpoint-tmp-*`
 and renames it to `<iteration>` only when complete, so a kill -9 during a save leaves the previous
 checkpoints as they were; the leftover temporary directory is ignored by `restore_latest` and
 deleted when the next `Checkpointer` that owns the directory opens it (not `read_only`: the
@@ -428,6 +434,7 @@ class Checkpointer:
     defaults: Optional[Mapping[str, Any]] = None,
     moved: Optional[Mapping[str, str]] = None,
     read_only: bool = False,
+    asynchronous: bool = False,
   ):
     if keep < 1 or every < 1:
       raise ValueError(f"Checkpointer needs keep >= 1 and every >= 1, got {keep=}, {every=}")
@@ -438,6 +445,8 @@ class Checkpointer:
     self._defaults = None if defaults is None else _jsonable(defaults, "defaults")
     self._allowed_to_differ = tuple(allowed_to_differ)
     self._moved = dict(moved or {})
+    self.asynchronous = asynchronous
+    self._in_flight: Optional[int] = None  # the iteration an asynchronous save is writing
     self._manager = ocp.CheckpointManager(
       self.directory,
       options=ocp.CheckpointManagerOptions(
@@ -447,8 +456,8 @@ class Checkpointer:
         # Deletes the `<step>.orbax-checkpoint-tmp-*` directories of interrupted saves; only
         # the directory's owner may (a reader could delete a running save's directory).
         cleanup_tmp_directories=not read_only,
-        # `save` blocks anyway; without the background thread nothing outlives the call.
-        enable_async_checkpointing=False,
+        # Asynchronous: the files are written in orbax's background thread (`save`, `finish`).
+        enable_async_checkpointing=asynchronous,
       ),
     )
     if not read_only:
@@ -478,8 +487,10 @@ class Checkpointer:
     *,
     force: bool = False,
   ) -> bool:
-    """Saves a checkpoint if `iteration` is on the interval (or `force`), and waits until it is
-    complete on disk. Then drops the oldest checkpoints beyond `keep`.
+    """Saves a checkpoint if `iteration` is on the interval (or `force`): synchronously, it
+    returns when the checkpoint is complete on disk; asynchronously, once its arrays are on the
+    host, the files written in the background (`finish` waits for them). Drops the oldest
+    checkpoints beyond `keep`. A save first waits for the one in flight.
 
     Call it before the next update donates `train_state`'s buffers.
 
@@ -502,6 +513,7 @@ class Checkpointer:
       raise ValueError(f"cannot save iteration {iteration}: {self.directory} is open read-only")
     if not (force or self.should_save(iteration)):
       return False
+    self.finish()
     latest = self.latest_iteration()
     if latest is not None and iteration <= latest:
       if iteration == latest:
@@ -525,10 +537,20 @@ class Checkpointer:
       }
     )
     saved = self._manager.save(iteration, args=args, force=True)
-    self._manager.wait_until_finished()
-    if saved and jax.process_index() == 0:
-      _write_file_sizes(self._where(iteration))
+    if saved:
+      self._in_flight = iteration
+    if not self.asynchronous:
+      self.finish()
     return bool(saved)
+
+  def finish(self) -> Optional[int]:
+    """Waits for the save in flight (if any) to be complete on disk and records its files'
+    sizes; returns its iteration (None if none was in flight)."""
+    self._manager.wait_until_finished()
+    iteration, self._in_flight = self._in_flight, None
+    if iteration is not None and jax.process_index() == 0:
+      _write_file_sizes(self._where(iteration))
+    return iteration
 
   def _manifest(self, iteration: int) -> dict[str, Any]:
     """The checkpoint's manifest; raises (any exception: orbax's vary) if it cannot be read."""
@@ -673,7 +695,7 @@ class Checkpointer:
 
   def close(self) -> None:
     """Waits for pending work and releases the manager."""
-    self._manager.wait_until_finished()
+    self.finish()
     self._manager.close()
 
   def __enter__(self) -> "Checkpointer":

@@ -194,10 +194,12 @@ class EvalSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointSection:
-  """`checkpoint`: save every `every` iterations, keep the newest `keep`."""
+  """`checkpoint`: save every `every` iterations, keep the newest `keep`; `asynchronous`: write
+  the files while training goes on (`checkpoints.Checkpointer`)."""
 
   every: int = fields.field(_POSITIVE, 25)
   keep: int = fields.field(_POSITIVE, 3)
+  asynchronous: bool = fields.field(fields.BOOL, True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -9,6 +9,7 @@ One iteration:
     batch  = collate(result.trajectories)                   # tokens exactly as sampled
     state  = update(state, batch, key_update)               # SeeUPO or a baseline
     progress_fn(iteration, metrics)                          # the writers (`writers.py`)
+    save when due; on SIGTERM/SIGINT: save now and raise Preempted (`preemption.py`)
 
 The loop writes no file itself: the writers are the caller's (`trainer.train`).
 """
@@ -28,6 +29,7 @@ from seeupo_jax.training import checkpoints
 from seeupo_jax.training import config as config_lib
 from seeupo_jax.training import evaluation
 from seeupo_jax.training import metrics_log
+from seeupo_jax.training import preemption as preemption_lib
 from seeupo_jax.training.dynamic_sampling import refill_informative_groups
 from seeupo_jax.training.program import Program
 from seeupo_jax.training.tasks import TaskStream
@@ -45,6 +47,7 @@ def run(
   checkpointer: checkpoints.Checkpointer,
   progress_fn: ProgressFn,
   trajectories_fn: Callable[[int, Any], None],
+  watch: preemption_lib.Watch | None = None,
 ) -> tuple[Any, dict[str, float]]:
   """Trains from `iteration` to `config.num_iterations`; returns (state, the last metrics).
 
@@ -59,6 +62,11 @@ def run(
       always after the last iteration).
     progress_fn: called with (iteration, metrics) after each iteration's update and evaluation.
     trajectories_fn: called with (iteration, this process's trajectories), on every process.
+    watch: the signal watch (`preemption.Watch`); after every iteration the processes agree
+      whether any got a signal, and if one did, that iteration is saved and `Preempted` raised.
+
+  Raises:
+    preemption.Preempted: after saving the iteration a signal stopped the run at.
   """
   k = config.eval.k
   eval_ids = list(program.spec.task_ids("eval"))[: config.eval.num_tasks]
@@ -122,9 +130,12 @@ def run(
       trajectories_fn(iteration, result.trajectories)
       last = metrics
       final = iteration == config.num_iterations
-      if checkpointer.should_save(iteration) or final:
+      stop = None if watch is None else watch.agreed(program.processes)
+      if checkpointer.should_save(iteration) or final or stop:
         progress = {"iteration": iteration, "task_position": stream.position}
-        checkpointer.save(iteration, state, rng, progress, force=final)
+        checkpointer.save(iteration, state, rng, progress, force=final or stop is not None)
+      if stop is not None and not final:
+        raise preemption_lib.Preempted(iteration, stop, checkpointer.directory)
   return state, last
 
 

@@ -52,6 +52,7 @@ from seeupo_jax.training import export
 from seeupo_jax.training import loop
 from seeupo_jax.training import metrics_log
 from seeupo_jax.training import oracle
+from seeupo_jax.training import preemption
 from seeupo_jax.training import program as program_lib
 from seeupo_jax.training import workdir as workdir_lib
 from seeupo_jax.training import writers
@@ -89,6 +90,7 @@ ALLOWED_TO_DIFFER = checkpoints.DEFAULT_ALLOWED_TO_DIFFER + ("eval_only", "polic
 ConfigError = config_lib.ConfigError
 TrainConfig = config_lib.TrainConfig
 WorkdirError = workdir_lib.WorkdirError
+Preempted = preemption.Preempted
 
 _print = writers.say
 informative_groups = dapo.informative_group_ids
@@ -185,6 +187,7 @@ def _checkpoints(
     defaults=None if defaults is None else json.loads(defaults.to_json_best_effort()),
     moved=config_lib.MOVED_KEYS,
     read_only=read_only,
+    asynchronous=config.checkpoint.asynchronous,
   )
 
 
@@ -314,17 +317,19 @@ def _training(
       bar = writers.ProgressBar(config.num_iterations, iteration)
       progress_writers.append(bar)
   try:
-    state, last = loop.run(
-      config,
-      program,
-      state,
-      rng,
-      stream,
-      iteration,
-      checkpointer=checkpointer,
-      progress_fn=writers.fan_out(progress_writers),
-      trajectories_fn=writers.trajectory_log(workdir, program, config.log.trajectories),
-    )
+    with preemption.Watch() as watch:  # SIGTERM/SIGINT: save after the iteration in flight
+      state, last = loop.run(
+        config,
+        program,
+        state,
+        rng,
+        stream,
+        iteration,
+        checkpointer=checkpointer,
+        progress_fn=writers.fan_out(progress_writers),
+        trajectories_fn=writers.trajectory_log(workdir, program, config.log.trajectories),
+        watch=watch,
+      )
   finally:
     if bar is not None:
       bar.close()

@@ -213,6 +213,7 @@ def _typed(*overrides):
   return config_lib.typed(config)
 
 
+@pytest.mark.xdist_group("first_contact_short_run")
 @pytest.mark.slow
 def test_a_short_run_writes_both_figures_at_every_evaluation(short_run):
   workdir, proc = short_run
@@ -226,6 +227,7 @@ def test_a_short_run_writes_both_figures_at_every_evaluation(short_run):
   assert matplotlib.image.imread(workdir / "diagnostics.png").shape[:2] == (1100, 1500)
 
 
+@pytest.mark.xdist_group("first_contact_short_run")
 @pytest.mark.slow
 def test_the_curves_are_the_learning_curves_with_the_chance_line(short_run):
   workdir, _ = short_run
@@ -284,6 +286,7 @@ def test_the_trailing_mean_skips_gaps():
   )
 
 
+@pytest.mark.xdist_group("first_contact_short_run")
 @pytest.mark.slow
 def test_a_short_run_logs_no_value_for_a_turn_no_trajectory_reached(short_run):
   workdir, proc = short_run
@@ -296,6 +299,7 @@ def test_a_short_run_logs_no_value_for_a_turn_no_trajectory_reached(short_run):
     assert None not in record.values(), [k for k, v in record.items() if v is None]
 
 
+@pytest.mark.xdist_group("first_contact_short_run")
 @pytest.mark.slow
 def test_a_short_run_prints_counts_as_ints_and_ends_saying_where_its_outputs_are(short_run):
   workdir, proc = short_run

@@ -69,8 +69,11 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start(workdir, num_processes: int, devices: int, logs, cache=None) -> list[subprocess.Popen]:
-  """Starts run.py as `num_processes` processes of `devices` CPU devices each."""
+def _start(
+  workdir, num_processes: int, devices: int, logs, cache=None, extra=()
+) -> list[subprocess.Popen]:
+  """Starts run.py as `num_processes` processes of `devices` CPU devices each (`extra` flags
+  after `SMALL`)."""
   env = processes.env(devices)
   if cache is not None:  # JAX's persistent compilation cache: each program compiles once
     env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
@@ -83,7 +86,7 @@ def _start(workdir, num_processes: int, devices: int, logs, cache=None) -> list[
     with open(logs / f"process{i}.log", "w") as out:
       procs.append(
         subprocess.Popen(
-          [sys.executable, _RUN, f"--workdir={workdir}", *SMALL, *flags, *ident],
+          [sys.executable, _RUN, f"--workdir={workdir}", *SMALL, *extra, *flags, *ident],
           cwd=_ROOT,
           env=env,
           stdout=out,
@@ -124,9 +127,9 @@ def _trajectories(workdir):
   return [json.loads(line) for line in (workdir / "trajectories.jsonl").read_text().splitlines()]
 
 
-def _final_params(workdir) -> dict:
-  """The last checkpoint's params, restored onto one device: {path: np.ndarray}."""
-  path = workdir / "checkpoints" / str(ITERATIONS) / "train_state"
+def _final_params(workdir, iteration=ITERATIONS) -> dict:
+  """Checkpoint `iteration`'s params, restored onto one device: {path: np.ndarray}."""
+  path = workdir / "checkpoints" / str(iteration) / "train_state"
   checkpointer = ocp.StandardCheckpointer()
   metadata = checkpointer.metadata(str(path))
   metadata = getattr(metadata, "item_metadata", metadata)
@@ -151,6 +154,7 @@ def two_processes(tmp_path_factory):
   return workdir, cache, outputs
 
 
+@pytest.mark.xdist_group("two_processes")
 @pytest.mark.slow
 def test_two_processes_play_and_learn_as_one_process_of_four_devices(two_processes, tmp_path):
   two, cache, outputs = two_processes
@@ -188,6 +192,7 @@ def test_two_processes_play_and_learn_as_one_process_of_four_devices(two_process
   assert (two / "hf_policy" / "model.safetensors").exists()
 
 
+@pytest.mark.xdist_group("two_processes")
 @pytest.mark.slow
 def test_kill_minus_9_of_one_process_then_rerun_ends_like_the_uninterrupted_run(
   two_processes, tmp_path
@@ -242,3 +247,47 @@ def test_kill_minus_9_of_one_process_then_rerun_ends_like_the_uninterrupted_run(
   a = (whole / "hf_policy" / "model.safetensors").read_bytes()
   b = (killed / "hf_policy" / "model.safetensors").read_bytes()
   assert a == b
+
+
+@pytest.mark.xdist_group("two_processes")
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_after_the_same_iteration_saved(two_processes, tmp_path):
+  """A preemption signal that reaches one process only: both finish the iteration in flight,
+  agree on it, save it (each its shards) and exit with status 75; the checkpoint holds the
+  uninterrupted run's params of that iteration, bit for bit."""
+  whole, cache, _ = two_processes
+  stopped = tmp_path / "stopped"
+  logs = tmp_path / "stopped_logs"
+  logs.mkdir()
+  # More iterations than the uninterrupted run, so that the signal never meets the last one
+  # (which would end the run normally); num_iterations may differ between runs of a workdir.
+  procs = _start(stopped, 2, 2, logs, cache, extra=("--config.num_iterations=4",))
+  try:
+    metrics = stopped / "metrics.jsonl"
+    deadline = time.time() + 600
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):  # iteration 1 logged
+      assert all(p.poll() is None for p in procs), "a process ended before the signal"
+      assert time.time() < deadline, "no iteration in time"
+      time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    for proc in procs:
+      proc.wait(timeout=300)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  outputs = [(logs / f"process{i}.log").read_text() for i in range(2)]
+  assert [p.returncode for p in procs] == [75, 75], outputs[0][-3000:] + outputs[1][-3000:]
+  reached = len(_records(stopped))
+  assert reached in (1, 2), reached  # the signal came during iteration 1's logs or iteration 2
+  assert sorted(os.listdir(stopped / "checkpoints")) == [
+    str(i)
+    for i in range(1, reached + 1)  # checkpoint.every=1: each iteration, then the stop
+  ]
+  assert "SIGTERM: saving after the iteration in flight" in outputs[1]
+  line = f"stopped by SIGTERM after saving iteration {reached} in {stopped / 'checkpoints'}"
+  assert line in outputs[0] and line in outputs[1]
+  want = _final_params(whole, reached)
+  for name, value in _final_params(stopped, reached).items():
+    np.testing.assert_array_equal(value, want[name], err_msg=name)

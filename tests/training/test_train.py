@@ -58,27 +58,57 @@ def _strip_times(records):
   ]
 
 
-@pytest.mark.slow
-def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
-  args = (
-    *SMALL,
-    "--config.num_iterations=4",
-    "--config.checkpoint.every=2",
-    "--config.save_hf=True",
-  )
-  args += ("--config.eval.every=3",)
-  whole = tmp_path / "whole"
-  # The uninterrupted run fills a compilation cache of its own, which the later runs read: it
-  # holds every program of the run that gets killed, so that run only reads it (a kill cannot
-  # leave half an entry behind).
-  cache = dict(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
-  cache.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # every program (conftest)
-  proc = _run(f"--workdir={whole}", *args, **cache)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+RESUME_ARGS = (
+  *SMALL,
+  "--config.num_iterations=4",
+  "--config.checkpoint.every=2",
+  "--config.save_hf=True",
+  "--config.eval.every=3",
+  "--config.log.plot=False",  # the figures: test_outputs_of_a_short_run, test_first_contact.py
+)
+# The tests of a resumed run share the uninterrupted run (`whole_run`): one worker runs them all.
+RESUME_GROUP = pytest.mark.xdist_group("train_whole_run")
 
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+  """The uninterrupted run of `RESUME_ARGS` (its workdir), and the environment of the runs that
+  are compared with it: a compilation cache of their own, which this run fills with every program
+  of the config, so that a run that gets killed only reads it (a kill cannot leave half an entry
+  behind)."""
+  root = tmp_path_factory.mktemp("resume")
+  cache = dict(JAX_COMPILATION_CACHE_DIR=str(root / "jax_cache"))
+  cache.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # every program (conftest)
+  whole = root / "whole"
+  proc = _run(f"--workdir={whole}", *RESUME_ARGS, **cache)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return whole, cache
+
+
+def _same_as_whole(whole, resumed, iterations=4):
+  """The resumed run ended with the uninterrupted run's parameters (its HF export, bit for bit),
+  per-iteration metrics (each iteration once) and trajectories."""
+  a = (whole / "hf_policy" / "model.safetensors").read_bytes()
+  b = (resumed / "hf_policy" / "model.safetensors").read_bytes()
+  assert a == b
+  whole_log = metrics_log.read_metrics(str(whole / "metrics.jsonl"))
+  resumed_log = metrics_log.read_metrics(str(resumed / "metrics.jsonl"))
+  assert [r["iteration"] for r in resumed_log] == list(range(1, iterations + 1))
+  assert _strip_times(resumed_log) == _strip_times(whole_log)
+  whole_text = (whole / "trajectories.jsonl").read_text().splitlines()
+  resumed_text = (resumed / "trajectories.jsonl").read_text().splitlines()
+  assert [json.loads(x)["text"] for x in resumed_text] == [
+    json.loads(x)["text"] for x in whole_text
+  ]
+
+
+@RESUME_GROUP
+@pytest.mark.slow
+def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(whole_run, tmp_path):
+  whole, cache = whole_run
   killed = tmp_path / "killed"
   child = subprocess.Popen(
-    [sys.executable, _RUN, f"--workdir={killed}", *args],
+    [sys.executable, _RUN, f"--workdir={killed}", *RESUME_ARGS],
     env=_env(**cache),
     cwd=_ROOT,
     stdout=subprocess.DEVNULL,
@@ -93,22 +123,62 @@ def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
   child.wait()
   assert not (killed / "hf_policy").exists()
 
-  proc = _run(f"--workdir={killed}", *args, **cache)
+  proc = _run(f"--workdir={killed}", *RESUME_ARGS, **cache)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "resuming" in proc.stdout + proc.stderr
-  # The same final parameters, bit for bit, and the same per-iteration metrics, each iteration once.
-  a = (whole / "hf_policy" / "model.safetensors").read_bytes()
-  b = (killed / "hf_policy" / "model.safetensors").read_bytes()
-  assert a == b
-  whole_log = metrics_log.read_metrics(str(whole / "metrics.jsonl"))
-  killed_log = metrics_log.read_metrics(str(killed / "metrics.jsonl"))
-  assert [r["iteration"] for r in killed_log] == list(range(1, 5))
-  assert _strip_times(killed_log) == _strip_times(whole_log)
-  whole_text = (whole / "trajectories.jsonl").read_text().splitlines()
-  killed_text = (killed / "trajectories.jsonl").read_text().splitlines()
-  assert [json.loads(x)["text"] for x in killed_text] == [json.loads(x)["text"] for x in whole_text]
+  _same_as_whole(whole, killed)
+
+
+@RESUME_GROUP
+@pytest.mark.slow
+def test_sigterm_saves_the_iteration_it_reached_and_the_rerun_resumes_there(whole_run, tmp_path):
+  """A preempted run (SIGTERM) finishes the iteration in flight, saves it although no checkpoint
+  is due (`checkpoint.every` is past the run's end), exits with status 75 and one line; the
+  rerun resumes from that iteration and ends like the run that was never stopped."""
+  whole, cache = whole_run
+  args = (*RESUME_ARGS, "--config.checkpoint.every=1000")
+  stopped = tmp_path / "stopped"
+  child = subprocess.Popen(
+    [sys.executable, _RUN, f"--workdir={stopped}", *args],
+    env=_env(**cache),
+    cwd=_ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  metrics = stopped / "metrics.jsonl"
+  deadline = time.time() + 300
+  while not (metrics.exists() and metrics.read_text().count("\n") >= 1):  # iteration 1 logged
+    assert child.poll() is None, "the run ended before the signal"
+    assert time.time() < deadline
+    time.sleep(0.05)
+  child.send_signal(signal.SIGTERM)
+  _, stderr = child.communicate(timeout=300)
+  assert child.returncode == 75, stderr[-3000:]
+  reached = len(metrics_log.read_metrics(str(metrics)))
+  assert 1 <= reached < 4, reached
+  assert os.listdir(stopped / "checkpoints") == [str(reached)]
+  assert not (stopped / "hf_policy").exists()
+  lines = stderr.strip().splitlines()
+  assert "SIGTERM: saving after the iteration in flight" in stderr
+  assert lines[-1] == (
+    f"stopped: --config=synthetic: stopped by SIGTERM after saving iteration {reached} in "
+    f"{stopped / 'checkpoints'}; run the same command again to resume from it"
+  )
+  assert "Traceback" not in stderr
+
+  proc = _run(f"--workdir={stopped}", *args, **cache)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f"resuming {stopped} from iteration {reached}" in proc.stdout + proc.stderr
+  _same_as_whole(whole, stopped)
+
+
+@RESUME_GROUP
+@pytest.mark.slow
+def test_a_changed_config_is_refused_and_the_hf_export_trains_again(whole_run, tmp_path):
+  whole, cache = whole_run
   # Resuming with a changed learner config is refused, naming the key.
-  proc = _run(f"--workdir={whole}", *args, "--config.learner.clip_low=0.1")
+  proc = _run(f"--workdir={whole}", *RESUME_ARGS, "--config.learner.clip_low=0.1", **cache)
   assert proc.returncode == 2
   assert "learner.clip_low" in proc.stderr and "Traceback" not in proc.stderr
   # The HF export loads back with our loader, and trains again from its directory (its own

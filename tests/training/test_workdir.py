@@ -18,10 +18,13 @@ import logging
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import textwrap
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -268,6 +271,78 @@ def test_run_py_on_a_locked_workdir_exits_with_one_line_naming_the_holder(workdi
     holder.wait(timeout=60)
   assert holder.returncode == 0
   assert not os.path.exists(os.path.join(workdir, "lock"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Asynchronous saves.
+
+
+def test_an_asynchronous_save_holds_the_state_of_its_call_and_finishes_before_the_next(tmp_path):
+  """`save` returns once the arrays are on the host: the device buffers may then be deleted (as
+  the next update donates them) and the checkpoint still holds the values of the call; `finish`
+  and the next `save` wait for the files; `close` waits too."""
+  directory = str(tmp_path / "ckpt")
+  trees = {i: _small_tree(i) for i in (1, 2)}
+  want = {i: jax.tree.map(np.asarray, trees[i]) for i in (1, 2)}
+  ckpt = checkpoints.Checkpointer(directory, every=1, asynchronous=True)
+  assert ckpt.save(1, trees[1], jax.random.key(1), {"at": 1})
+  for leaf in jax.tree.leaves(trees[1]):
+    leaf.delete()  # what donation does to the buffers
+  assert ckpt.finish() == 1 and ckpt.finish() is None
+  assert checkpoints.check_file_sizes(os.path.join(directory, "1"))
+  assert ckpt.save(2, trees[2], jax.random.key(2), {"at": 2})
+  ckpt.close()  # waits for iteration 2
+  assert checkpoints.check_file_sizes(os.path.join(directory, "2"))
+  with checkpoints.Checkpointer(directory, every=1) as reader:
+    for iteration in (2, 1):
+      _, state, _, progress = reader._restore(iteration, *_abstract())
+      assert progress == {"at": iteration}
+      chex.assert_trees_all_equal(jax.tree.map(np.asarray, state), want[iteration])
+
+
+_KILLED_DURING_A_SAVE = textwrap.dedent(
+  """
+  import os, signal, sys
+  import jax, jax.numpy as jnp, numpy as np
+  from seeupo_jax.training import checkpoints
+
+  ckpt = checkpoints.Checkpointer(sys.argv[1], every=1, asynchronous=True)
+  small = {"w": jnp.ones((1000,), jnp.float32), "n": jnp.int32(1)}
+  ckpt.save(1, small, jax.random.key(1), {"at": 1})
+  ckpt.finish()
+  big = {"w": jnp.asarray(np.random.default_rng(0).random(60_000_000, dtype=np.float32)),
+         "n": jnp.int32(2)}
+  ckpt.save(2, big, jax.random.key(2), {"at": 2})  # returns with the files still being written
+  os.kill(os.getpid(), signal.SIGKILL)
+  """
+)
+
+
+def test_a_kill_during_an_asynchronous_save_leaves_the_previous_checkpoint(tmp_path):
+  directory = tmp_path / "ckpt"
+  proc = subprocess.run(
+    [sys.executable, "-c", _KILLED_DURING_A_SAVE, str(directory)],
+    capture_output=True,
+    text=True,
+    env=processes.env(JAX_ENABLE_COMPILATION_CACHE="false"),
+    cwd=_ROOT,
+    timeout=300,
+  )
+  assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+  names = sorted(os.listdir(directory))
+  # Iteration 2 was cut off mid-write (a temporary directory, or nothing), never a whole-looking
+  # "2" (orbax renames a save into place only when it is complete).
+  assert "1" in names and "2" not in names, names
+  abstract = {
+    "w": jax.ShapeDtypeStruct((1000,), jnp.float32),
+    "n": jax.ShapeDtypeStruct((), jnp.int32),
+  }
+  rng = jax.eval_shape(lambda: jax.random.key(0))
+  with checkpoints.Checkpointer(str(directory), every=1) as ckpt:
+    iteration, state, _, progress = ckpt.restore_latest(abstract, rng)
+  assert iteration == 1 and progress == {"at": 1}
+  np.testing.assert_array_equal(np.asarray(state["w"]), np.ones(1000, np.float32))
+  assert not any(".orbax-checkpoint-tmp" in n for n in os.listdir(directory))  # cleaned up
 
 
 # ----------------------------------------------------------------------------------------------
