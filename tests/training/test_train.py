@@ -85,6 +85,20 @@ def whole_run(tmp_path_factory):
   return whole, cache
 
 
+def _start_and_wait(workdir, args, cache, ready, **popen):
+  """Starts run.py on `workdir` in the background and returns it once `ready()` holds (while it
+  still runs)."""
+  child = subprocess.Popen(
+    [sys.executable, _RUN, f"--workdir={workdir}", *args], env=_env(**cache), cwd=_ROOT, **popen
+  )
+  deadline = time.time() + 300
+  while not ready():
+    assert child.poll() is None, "the run ended before it could be stopped"
+    assert time.time() < deadline
+    time.sleep(0.05)
+  return child
+
+
 def _same_as_whole(whole, resumed, iterations=4):
   """The resumed run ended with the uninterrupted run's parameters (its HF export, bit for bit),
   per-iteration metrics (each iteration once) and trajectories."""
@@ -107,18 +121,14 @@ def _same_as_whole(whole, resumed, iterations=4):
 def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(whole_run, tmp_path):
   whole, cache = whole_run
   killed = tmp_path / "killed"
-  child = subprocess.Popen(
-    [sys.executable, _RUN, f"--workdir={killed}", *RESUME_ARGS],
-    env=_env(**cache),
-    cwd=_ROOT,
+  child = _start_and_wait(
+    killed,
+    RESUME_ARGS,
+    cache,
+    (killed / "checkpoints" / "2").exists,  # orbax renames a finished save into place
     stdout=subprocess.DEVNULL,
     stderr=subprocess.DEVNULL,
   )
-  deadline = time.time() + 300
-  while not (killed / "checkpoints" / "2").exists():  # orbax renames a finished save into place
-    assert child.poll() is None, "the run ended before it could be killed"
-    assert time.time() < deadline
-    time.sleep(0.05)
   child.send_signal(signal.SIGKILL)
   child.wait()
   assert not (killed / "hf_policy").exists()
@@ -138,20 +148,16 @@ def test_sigterm_saves_the_iteration_it_reached_and_the_rerun_resumes_there(whol
   whole, cache = whole_run
   args = (*RESUME_ARGS, "--config.checkpoint.every=1000")
   stopped = tmp_path / "stopped"
-  child = subprocess.Popen(
-    [sys.executable, _RUN, f"--workdir={stopped}", *args],
-    env=_env(**cache),
-    cwd=_ROOT,
+  metrics = stopped / "metrics.jsonl"
+  child = _start_and_wait(
+    stopped,
+    args,
+    cache,
+    lambda: metrics.exists() and metrics.read_text().count("\n") >= 1,  # iteration 1 logged
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
     text=True,
   )
-  metrics = stopped / "metrics.jsonl"
-  deadline = time.time() + 300
-  while not (metrics.exists() and metrics.read_text().count("\n") >= 1):  # iteration 1 logged
-    assert child.poll() is None, "the run ended before the signal"
-    assert time.time() < deadline
-    time.sleep(0.05)
   child.send_signal(signal.SIGTERM)
   _, stderr = child.communicate(timeout=300)
   assert child.returncode == 75, stderr[-3000:]
