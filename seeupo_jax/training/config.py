@@ -194,10 +194,12 @@ class EvalSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointSection:
-  """`checkpoint`: save every `every` iterations, keep the newest `keep`; `asynchronous`: write
-  the files while training goes on (`checkpoints.Checkpointer`)."""
+  """`checkpoint`: save every `every` iterations and, when `every_minutes` > 0, whenever that
+  many minutes have passed since the last save (`save_timer.py`); keep the newest `keep`;
+  `asynchronous`: write the files while training goes on (`checkpoints.Checkpointer`)."""
 
   every: int = fields.field(_POSITIVE, 25)
+  every_minutes: float = fields.field(fields.described(fields.number_at_least(0.0), "0: off"), 0.0)
   keep: int = fields.field(_POSITIVE, 3)
   asynchronous: bool = fields.field(fields.BOOL, True)
 

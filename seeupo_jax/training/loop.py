@@ -9,7 +9,8 @@ One iteration:
     batch  = collate(result.trajectories)                   # tokens exactly as sampled
     state  = update(state, batch, key_update)               # SeeUPO or a baseline
     progress_fn(iteration, metrics)                          # the writers (`writers.py`)
-    save when due; on SIGTERM/SIGINT: save now and raise Preempted (`preemption.py`)
+    save when due (every `checkpoint.every` iterations or `checkpoint.every_minutes`,
+      `save_timer.py`); on SIGTERM/SIGINT: save now and raise Preempted (`preemption.py`)
 
 The loop writes no file itself: the writers are the caller's (`trainer.train`).
 """
@@ -30,6 +31,7 @@ from seeupo_jax.training import config as config_lib
 from seeupo_jax.training import evaluation
 from seeupo_jax.training import metrics_log
 from seeupo_jax.training import preemption as preemption_lib
+from seeupo_jax.training import save_timer
 from seeupo_jax.training.dynamic_sampling import refill_informative_groups
 from seeupo_jax.training.program import Program
 from seeupo_jax.training.tasks import TaskStream
@@ -58,8 +60,9 @@ def run(
     rng: the training key at `iteration` (checkpointed with the state).
     stream: the training tasks, at the position of `iteration`.
     iteration: the iterations done so far.
-    checkpointer: saves the state, the key and the stream's position (`should_save`, and
-      always after the last iteration).
+    checkpointer: saves the state, the key and the stream's position (`should_save`, when
+      `config.checkpoint.every_minutes` have passed since the last save, and always after the
+      last iteration).
     progress_fn: called with (iteration, metrics) after each iteration's update and evaluation.
     trajectories_fn: called with (iteration, this process's trajectories), on every process.
     watch: the signal watch (`preemption.Watch`); after every iteration the processes agree
@@ -77,6 +80,7 @@ def run(
   num_rows = config.rollout.tasks_per_iteration * config.rollout.samples_per_task
   global_rows = num_rows
   num_rows = num_rows // program.processes.count if dynamic_sampling else None
+  timer = save_timer.SaveTimer(config.checkpoint.every_minutes)
   with jax.set_mesh(program.mesh):
     while iteration < config.num_iterations:
       t0 = time.perf_counter()
@@ -131,9 +135,11 @@ def run(
       last = metrics
       final = iteration == config.num_iterations
       stop = None if watch is None else watch.agreed(program.processes)
-      if checkpointer.should_save(iteration) or final or stop:
+      timed = timer.due(program.processes)
+      if checkpointer.should_save(iteration) or timed or final or stop:
         progress = {"iteration": iteration, "task_position": stream.position}
-        checkpointer.save(iteration, state, rng, progress, force=final or stop is not None)
+        checkpointer.save(iteration, state, rng, progress, force=final or timed or bool(stop))
+        timer.restart()
       if stop is not None and not final:
         raise preemption_lib.Preempted(iteration, stop, checkpointer.directory)
   return state, last

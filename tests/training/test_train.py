@@ -210,8 +210,9 @@ def test_outputs_of_a_short_run(tmp_path):
     *SMALL,
     "--config.num_iterations=2",
     "--config.eval.every=1",
-    "--config.checkpoint.every=1",
-    "--config.checkpoint.keep=1",
+    "--config.checkpoint.every=1000",
+    "--config.checkpoint.every_minutes=1e-9",  # due after every iteration: saves by time
+    "--config.checkpoint.keep=2",
     "--config.learner.algorithm=ppo",  # the critic's trunk starts as a copy of the policy
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -237,7 +238,7 @@ def test_outputs_of_a_short_run(tmp_path):
   assert records[-1]["turns"] == 2 and records[-1]["finish/done"] == 1.0
   assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
   assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tensorboard").iterdir())
-  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]  # keep=1
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]  # 1: by time, off `every`
   lines = (tmp_path / "trajectories.jsonl").read_text().splitlines()
   first = json.loads(lines[0])
   assert first["finish_reason"] == "done" and "Open the lock." in first["text"]
