@@ -4,6 +4,7 @@ start, and where the outputs are at the end."""
 
 import json
 import os
+import pathlib
 import re
 import stat
 import subprocess
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import processes
+import shared_runs
 
 from seeupo_jax import envs
 from seeupo_jax.training import config as config_lib
@@ -196,10 +198,16 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("short") / "run"
-  proc = _python(_SPY, _RUN, f"--workdir={workdir}", *_SHORT, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return workdir, proc
+  """The short run's workdir and what it printed, made once per session, whichever xdist worker
+  asks first (`shared_runs.once`)."""
+
+  def make(root):
+    proc = _python(_SPY, _RUN, f"--workdir={root / 'run'}", *_SHORT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(root / "run"), proc.stdout, proc.stderr
+
+  workdir, stdout, stderr = shared_runs.once(tmp_path_factory, "first_contact_short_run", make)
+  return pathlib.Path(workdir), subprocess.CompletedProcess([], 0, stdout, stderr)
 
 
 def _typed(*overrides):
@@ -213,7 +221,6 @@ def _typed(*overrides):
   return config_lib.typed(config)
 
 
-@pytest.mark.xdist_group("first_contact_short_run")
 @pytest.mark.slow
 def test_a_short_run_writes_both_figures_at_every_evaluation(short_run):
   workdir, proc = short_run
@@ -227,7 +234,6 @@ def test_a_short_run_writes_both_figures_at_every_evaluation(short_run):
   assert matplotlib.image.imread(workdir / "diagnostics.png").shape[:2] == (1100, 1500)
 
 
-@pytest.mark.xdist_group("first_contact_short_run")
 @pytest.mark.slow
 def test_the_curves_are_the_learning_curves_with_the_chance_line(short_run):
   workdir, _ = short_run
@@ -286,7 +292,6 @@ def test_the_trailing_mean_skips_gaps():
   )
 
 
-@pytest.mark.xdist_group("first_contact_short_run")
 @pytest.mark.slow
 def test_a_short_run_logs_no_value_for_a_turn_no_trajectory_reached(short_run):
   workdir, proc = short_run
@@ -299,7 +304,6 @@ def test_a_short_run_logs_no_value_for_a_turn_no_trajectory_reached(short_run):
     assert None not in record.values(), [k for k, v in record.items() if v is None]
 
 
-@pytest.mark.xdist_group("first_contact_short_run")
 @pytest.mark.slow
 def test_a_short_run_prints_counts_as_ints_and_ends_saying_where_its_outputs_are(short_run):
   workdir, proc = short_run

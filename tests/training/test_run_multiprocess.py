@@ -8,6 +8,7 @@ metrics file that holds each iteration once, written by process 0 alone.
 
 import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import processes
+import shared_runs
 
 from seeupo_jax.training import metrics_log
 
@@ -144,17 +146,19 @@ def _final_params(workdir, iteration=ITERATIONS) -> dict:
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
-  """The uninterrupted 2-process run (its workdir, and the compilation cache it filled)."""
-  root = tmp_path_factory.mktemp("multiprocess")
-  cache = root / "jax_cache"
-  workdir = root / "two"
-  t0 = time.perf_counter()
-  outputs = _run(workdir, 2, 2, cache)
-  print(f"2-process run: {time.perf_counter() - t0:.0f} s")
-  return workdir, cache, outputs
+  """The uninterrupted 2-process run (its workdir, and the compilation cache it filled), made
+  once per session, whichever worker asks first (`shared_runs.once`)."""
+
+  def make(root):
+    t0 = time.perf_counter()
+    outputs = _run(root / "two", 2, 2, root / "jax_cache")
+    print(f"2-process run: {time.perf_counter() - t0:.0f} s")
+    return str(root / "two"), str(root / "jax_cache"), outputs
+
+  workdir, cache, outputs = shared_runs.once(tmp_path_factory, "two_processes", make)
+  return pathlib.Path(workdir), pathlib.Path(cache), outputs
 
 
-@pytest.mark.xdist_group("two_processes")
 @pytest.mark.slow
 def test_two_processes_play_and_learn_as_one_process_of_four_devices(two_processes, tmp_path):
   two, cache, outputs = two_processes
@@ -192,7 +196,6 @@ def test_two_processes_play_and_learn_as_one_process_of_four_devices(two_process
   assert (two / "hf_policy" / "model.safetensors").exists()
 
 
-@pytest.mark.xdist_group("two_processes")
 @pytest.mark.slow
 def test_kill_minus_9_of_one_process_then_rerun_ends_like_the_uninterrupted_run(
   two_processes, tmp_path
@@ -249,7 +252,6 @@ def test_kill_minus_9_of_one_process_then_rerun_ends_like_the_uninterrupted_run(
   assert a == b
 
 
-@pytest.mark.xdist_group("two_processes")
 @pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_after_the_same_iteration_saved(two_processes, tmp_path):
   """A preemption signal that reaches one process only: both finish the iteration in flight,

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import processes
+import shared_runs
 
 from seeupo_jax.models import checkpoint as hf_checkpoint
 from seeupo_jax.training import metrics_log
@@ -66,8 +68,7 @@ RESUME_ARGS = (
   "--config.eval.every=3",
   "--config.log.plot=False",  # the figures: test_outputs_of_a_short_run, test_first_contact.py
 )
-# The tests of a resumed run share the uninterrupted run (`whole_run`): one worker runs them all.
-RESUME_GROUP = pytest.mark.xdist_group("train_whole_run")
+# The tests of a resumed run share the uninterrupted run (`whole_run`), made once per session.
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +76,18 @@ def whole_run(tmp_path_factory):
   """The uninterrupted run of `RESUME_ARGS` (its workdir), and the environment of the runs that
   are compared with it: a compilation cache of their own, which this run fills with every program
   of the config, so that a run that gets killed only reads it (a kill cannot leave half an entry
-  behind)."""
-  root = tmp_path_factory.mktemp("resume")
-  cache = dict(JAX_COMPILATION_CACHE_DIR=str(root / "jax_cache"))
-  cache.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # every program (conftest)
-  whole = root / "whole"
-  proc = _run(f"--workdir={whole}", *RESUME_ARGS, **cache)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return whole, cache
+  behind). Made once per session, whichever worker asks first (`shared_runs.once`)."""
+
+  def make(root):
+    cache = dict(JAX_COMPILATION_CACHE_DIR=str(root / "jax_cache"))
+    cache.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # every program (conftest)
+    whole = root / "whole"
+    proc = _run(f"--workdir={whole}", *RESUME_ARGS, **cache)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(whole), cache
+
+  whole, cache = shared_runs.once(tmp_path_factory, "train_whole_run", make)
+  return pathlib.Path(whole), cache
 
 
 def _start_and_wait(workdir, args, cache, ready, **popen):
@@ -116,7 +121,6 @@ def _same_as_whole(whole, resumed, iterations=4):
   ]
 
 
-@RESUME_GROUP
 @pytest.mark.slow
 def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(whole_run, tmp_path):
   whole, cache = whole_run
@@ -139,7 +143,6 @@ def test_kill_minus_9_then_rerun_ends_like_an_uninterrupted_run(whole_run, tmp_p
   _same_as_whole(whole, killed)
 
 
-@RESUME_GROUP
 @pytest.mark.slow
 def test_sigterm_saves_the_iteration_it_reached_and_the_rerun_resumes_there(whole_run, tmp_path):
   """A preempted run (SIGTERM) finishes the iteration in flight, saves it although no checkpoint
@@ -179,7 +182,6 @@ def test_sigterm_saves_the_iteration_it_reached_and_the_rerun_resumes_there(whol
   _same_as_whole(whole, stopped)
 
 
-@RESUME_GROUP
 @pytest.mark.slow
 def test_a_changed_config_is_refused_and_the_hf_export_trains_again(whole_run, tmp_path):
   whole, cache = whole_run
