@@ -27,6 +27,8 @@ from seeupo_jax.training import metrics_log
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _RUN = os.path.join(_ROOT, "experiments", "run.py")
+sys.path.insert(0, _ROOT)
+from experiments import configs  # noqa: E402
 
 ITERATIONS = 2  # a kill after the first checkpoint leaves the second iteration to the rerun
 SMALL = (
@@ -63,6 +65,24 @@ NOT_COMPARED = (
   "rollout/cache_slots",
   "rollout/cache_slots_per_live_token",
 )
+
+
+LEARNING_RATE = 1e-3  # the synthetic config's optimizer.learning_rate (checked in the test)
+FEW = 1e-3  # the share of a tensor's elements allowed past PARAMS_TOL
+
+
+def _assert_same_adam_params(got, want, name):
+  """`got` equals `want` within PARAMS_TOL but for at most a share FEW of the elements, and
+  those within Adam's step.
+
+  Adam moves an element by lr * m / (sqrt(v) + eps): where its gradient is near zero, the
+  order in which the gradient is summed (across two processes, or on one) can move that step by
+  up to lr, one element in thousands (1 of 16384 seen: 1.2e-5 off). A real difference between
+  the runs (a gradient counted twice, a shard left out) moves most elements.
+  """
+  off = np.abs(got - want) > PARAMS_TOL["atol"] + PARAMS_TOL["rtol"] * np.abs(want)
+  assert off.mean() <= FEW, f"{name}: {int(off.sum())} of {off.size} elements differ"
+  np.testing.assert_allclose(got, want, atol=ITERATIONS * LEARNING_RATE, rtol=0, err_msg=name)
 
 
 def _free_port() -> int:
@@ -162,6 +182,7 @@ def two_processes(tmp_path_factory):
 @pytest.mark.slow
 def test_two_processes_play_and_learn_as_one_process_of_four_devices(two_processes, tmp_path):
   two, cache, outputs = two_processes
+  assert configs.get_config("synthetic").optimizer.learning_rate == LEARNING_RATE
   one = tmp_path / "one"
   _run(one, 1, 4, cache)
 
@@ -185,7 +206,7 @@ def test_two_processes_play_and_learn_as_one_process_of_four_devices(two_process
   # The same params after the last update.
   expected = _final_params(one)
   for name, value in _final_params(two).items():
-    np.testing.assert_allclose(value, expected[name], err_msg=name, **PARAMS_TOL)
+    _assert_same_adam_params(value, expected[name], name)
 
   # Process 0 alone wrote the logs: one TensorBoard writer, no error log; process 1 printed
   # no evaluation table.
