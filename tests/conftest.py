@@ -52,7 +52,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("SEEUPO_NOTEBOOK_QUICK", "1")  # the notebooks' kernels inherit it
 
 CACHE_MIN_COMPILE_SECS = "1"
-"""Programs that compiled in less time than this are not written to the cache (nor looked up):
+"""Programs that compiled in less time than this are not written to the cache (every compile
+still looks the cache up first):
 the many tiny programs of eager op-by-op dispatch and small unit tests cost more to write, lock
 and read than to compile again. Measured on the 2-core CPU, 2026-12-05, one pytest process each:
 tests/learner/test_losses.py 65.4 s with every program cached (0 s), 47.2 s at 1 s, 45.4 s with
