@@ -30,7 +30,9 @@ def once(tmp_path_factory, name: str, make: Callable[[Any], Any]) -> Any:
   """
   base = tmp_path_factory.getbasetemp()
   if os.environ.get("PYTEST_XDIST_WORKER"):
-    base = base.parent  # pytest-N/popen-gwK -> pytest-N: shared by every xdist worker of one pytest run
+    base = (
+      base.parent
+    )  # pytest-N/popen-gwK -> pytest-N: shared by every xdist worker of one pytest run
   root, done = base / name, base / f"{name}.json"
   with open(base / f"{name}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
