@@ -68,7 +68,8 @@ def _sigterm():
 
 
 class _SignalOnCall:
-  """Wraps a callable: its `at`-th call (1-based) sends SIGTERM to this process mid-call."""
+  """Wraps a callable: its `at`-th call (1-based) sends SIGTERM to this process as it starts (the
+  watch records the signal then; the loop reads it only once the iteration is done)."""
 
   def __init__(self, fn, at):
     self.fn, self.at, self.calls = fn, at, 0
@@ -76,7 +77,7 @@ class _SignalOnCall:
   def __call__(self, *args, **kwargs):
     self.calls += 1
     if self.calls == self.at:
-      _sigterm()  # before the call's work: the handler runs while the phase is under way
+      _sigterm()
     return self.fn(*args, **kwargs)
 
 
