@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 import zlib
 
 import numpy as np
@@ -63,6 +64,11 @@ class SyntheticConfig:
     a model trained from scratch cannot read them, and they triple the prompt's length).
   num_train_tasks, num_eval_tasks: sizes of the splits.
   seed: mixed into every task's draw.
+  latency_ms, latency_p99_ms: a tool's latency, simulated: each step sleeps latency_ms (0: not
+    at all), or with latency_p99_ms > latency_ms a log-normal time of median latency_ms and
+    99th percentile latency_p99_ms, drawn from (seed, task, turn) so every run of a task waits
+    the same (`step_latency_s`). For measuring what overlaps environment time
+    (`benchmarks/bench_async.py`); the lock is the same.
   """
 
   num_dials: int = fields.field(fields.int_at_least(1), 3)
@@ -74,9 +80,31 @@ class SyntheticConfig:
   num_train_tasks: int = fields.field(fields.int_at_least(1), 100_000)
   num_eval_tasks: int = fields.field(fields.int_at_least(1), 128)
   seed: int = fields.field(fields.INT, 0)
+  latency_ms: float = fields.field(fields.number_at_least(0.0), 0.0)
+  latency_p99_ms: float = fields.field(fields.number_at_least(0.0), 0.0)
 
   def __post_init__(self):
     fields.check(self, "synthetic")
+    if self.latency_p99_ms and self.latency_p99_ms < self.latency_ms:
+      raise ValueError(
+        f"synthetic.latency_p99_ms={self.latency_p99_ms:g} is below latency_ms="
+        f"{self.latency_ms:g}; allowed: 0 (a fixed latency) or at least latency_ms"
+      )
+
+
+_Z99 = 2.3263478740408408  # the standard normal's 99th percentile
+
+
+def step_latency_s(config: SyntheticConfig, task_id: str, turn: int) -> float:
+  """The simulated latency of step `turn` (1-based) of task `task_id`, in seconds: latency_ms,
+  or median x exp(sigma Z) with sigma = log(p99 / median) / z_0.99 and Z ~ N(0, 1) seeded by
+  (seed, task, turn)."""
+  median = config.latency_ms / 1000.0
+  if median <= 0 or config.latency_p99_ms <= config.latency_ms:
+    return median
+  sigma = np.log(config.latency_p99_ms / config.latency_ms) / _Z99
+  rng = np.random.default_rng(zlib.crc32(f"{config.seed}/{task_id}/{turn}".encode()))
+  return float(median * np.exp(sigma * rng.standard_normal()))
 
 
 def dial_of_reply(text: str) -> str:
@@ -150,6 +178,7 @@ class SyntheticEnv:
 
   def reset(self, task_id: str) -> base.Reset:
     self._lock = draw_lock(self.config, task_id)
+    self._task_id = task_id
     self._set = []
     rules = system_prompt(self.config.num_dials) if self.config.instructions else SHORT_SYSTEM
     messages = [{"role": "system", "content": rules}, self._dial_message(0)]
@@ -163,6 +192,8 @@ class SyntheticEnv:
     dial = dial_of_reply(assistant_text)
     self._set.append(dial)
     t = len(self._set)
+    if self.config.latency_ms > 0:
+      time.sleep(step_latency_s(self.config, self._task_id, t))
     info = {"dial": dial}
     if t == self.config.num_dials:
       return base.Step(observation=[], done=True, info=info)

@@ -164,3 +164,27 @@ def test_partial_credit_reward(credit):
     ValueError, match=r"synthetic.partial_credit=1.5; allowed: a number in \[0, 1\]"
   ):
     envs.make_spec("synthetic", {"partial_credit": 1.5})
+
+
+def test_simulated_latency_is_fixed_or_log_normal_with_its_median_and_p99(monkeypatch):
+  fixed = synthetic.SyntheticConfig(latency_ms=30.0)
+  assert synthetic.step_latency_s(fixed, "train/1", 1) == 0.03
+  assert synthetic.step_latency_s(synthetic.SyntheticConfig(), "train/1", 1) == 0.0
+  tail = synthetic.SyntheticConfig(latency_ms=30.0, latency_p99_ms=300.0)
+  draws = np.array([synthetic.step_latency_s(tail, f"train/{i}", 2) for i in range(20000)])
+  # log-normal: median 30 ms and 99th percentile 300 ms, within the sampling error of 20000 draws
+  np.testing.assert_allclose(np.median(draws), 0.03, rtol=0.03)
+  np.testing.assert_allclose(np.quantile(draws, 0.99), 0.3, rtol=0.08)
+  assert synthetic.step_latency_s(tail, "train/5", 2) == draws[5]  # by (seed, task, turn)
+  assert synthetic.step_latency_s(tail, "train/5", 3) != draws[5]
+  # Each step sleeps its latency; the episode is the same as without it.
+  slept = []
+  monkeypatch.setattr(synthetic.time, "sleep", slept.append)
+  config = synthetic.SyntheticConfig(num_dials=3, latency_ms=30.0, latency_p99_ms=300.0)
+  env = synthetic.SyntheticEnv(config)
+  env.reset("train/5")
+  for _ in range(3):
+    env.step("a")
+  assert slept == [synthetic.step_latency_s(config, "train/5", t) for t in (1, 2, 3)]
+  with pytest.raises(ValueError, match=r"synthetic.latency_p99_ms=10 is below latency_ms=30"):
+    synthetic.SyntheticConfig(latency_ms=30.0, latency_p99_ms=10.0)
