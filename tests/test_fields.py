@@ -92,6 +92,7 @@ CONFIG_CLASSES = [
   config_lib.CheckpointSection,
   config_lib.LogSection,
   config_lib.MeshSection,
+  config_lib.PipelineSection,
 ]
 
 

@@ -214,6 +214,15 @@ class LogSection:
   trajectories: int = fields.field(fields.int_at_least(0), 2)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineSection:
+  """`pipeline`: the rollout/update schedule (`training/pipeline.py`). `lag` k: the batch trained
+  at iteration i was sampled with the params of iteration i - 1 - k, and is sampled while the
+  update before it runs (0: sample, then update)."""
+
+  lag: int = fields.field(fields.int_in(0, 8), 0)
+
+
 _MESH_AXIS = fields.Allowed(
   lambda v: fields.is_int(v) and (v >= 1 or v == -1), "an int >= 1, or -1 (the devices left)"
 )
@@ -252,6 +261,7 @@ class TrainConfig:
   checkpoint: CheckpointSection
   log: LogSection
   mesh: MeshSection
+  pipeline: PipelineSection
   source: Mapping[str, Any] = dataclasses.field(repr=False, compare=False)
 
   def env_options(self) -> dict[str, Any]:
@@ -271,6 +281,7 @@ _SECTIONS = {
   "checkpoint": CheckpointSection,
   "log": LogSection,
   "mesh": MeshSection,
+  "pipeline": PipelineSection,
 }
 _SCALARS = ("program", "seed", "num_iterations", "save_hf", "policy", "eval_only")
 _KEYS = _SCALARS + tuple(_SECTIONS) + ("chat_template_kwargs", "env", "learner")

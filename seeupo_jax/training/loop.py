@@ -12,6 +12,10 @@ One iteration:
     save when due (every `checkpoint.every` iterations or `checkpoint.every_minutes`,
       `save_timer.py`); on SIGTERM/SIGINT: save now and raise Preempted (`preemption.py`)
 
+With `pipeline.lag` k > 0 the batch trained at iteration i was sampled k iterations earlier:
+the update of B_i is dispatched first, and B_{i+k} is sampled with the params that update starts
+from while it runs (the schedule, the prologue and what a checkpoint holds: `pipeline.py`).
+
 The loop writes no file itself: the writers are the caller's (`trainer.train`).
 """
 
@@ -30,6 +34,7 @@ from seeupo_jax.training import checkpoints
 from seeupo_jax.training import config as config_lib
 from seeupo_jax.training import evaluation
 from seeupo_jax.training import metrics_log
+from seeupo_jax.training import pipeline
 from seeupo_jax.training import preemption as preemption_lib
 from seeupo_jax.training import save_timer
 from seeupo_jax.training.dynamic_sampling import refill_informative_groups
@@ -50,6 +55,8 @@ def run(
   progress_fn: ProgressFn,
   trajectories_fn: Callable[[int, Any], None],
   watch: preemption_lib.Watch | None = None,
+  pending: list[pipeline.Sampled] | None = None,
+  overlap: bool = True,
 ) -> tuple[Any, dict[str, float]]:
   """Trains from `iteration` to `config.num_iterations`; returns (state, the last metrics).
 
@@ -67,11 +74,16 @@ def run(
     trajectories_fn: called with (iteration, this process's trajectories), on every process.
     watch: the signal watch (`preemption.Watch`); after every iteration the processes agree
       whether any got a signal, and if one did, that iteration is saved and `Preempted` raised.
+    pending: with `pipeline.lag` k > 0, the k batches sampled and not yet trained at
+      `iteration` (a checkpoint's, `pipeline.from_progress`); None: a fresh run samples them.
+    overlap: False waits for each update before sampling the next batch: the same schedule,
+      one step after the other (the reference the overlapped run equals).
 
   Raises:
     preemption.Preempted: after saving the iteration a signal stopped the run at.
   """
   k = config.eval.k
+  lag = config.pipeline.lag
   eval_ids = list(program.spec.task_ids("eval"))[: config.eval.num_tasks]
   last: dict[str, float] = {}
   dynamic_sampling = program.learner_config.dynamic_sampling
@@ -81,31 +93,52 @@ def run(
   global_rows = num_rows
   num_rows = num_rows // program.processes.count if dynamic_sampling else None
   timer = save_timer.SaveTimer(config.checkpoint.every_minutes)
+
+  def sample(params, key) -> rollout.RolloutResult:
+    """The next B tasks of the stream, n samples each, with `params` (the learner's)."""
+    tasks = stream.take(config.rollout.tasks_per_iteration)
+    with jax.set_mesh(program.decode.mesh):  # the sampler on the decode layout
+      # The key comes from the learner's (checkpointed, on the learner's mesh): replicated
+      # on the decode mesh like every other input of the sampler.
+      key = _key_on(key, program.decode.mesh)
+      result = program.roller.run(params, tasks, config.rollout.samples_per_task, key)
+      if dynamic_sampling:  # DAPO: more tasks until the batch holds B informative groups
+        result = refill_informative_groups(
+          program.roller,
+          stream,
+          params,
+          key,
+          result,
+          tasks_per_iteration=config.rollout.tasks_per_iteration,
+          samples_per_task=config.rollout.samples_per_task,
+          max_refills=program.learner_config.dapo_max_refills,
+        )
+    return result
+
+  def decode_params(params):
+    with jax.set_mesh(program.decode.mesh):
+      return program.decode(params)
+
+  if lag and pending is None:  # a fresh run: B_1 .. B_k from theta_0 (`pipeline` docstring)
+    first = decode_params(state.params)
+    pending = [
+      pipeline.Sampled(sample(first, pipeline.prologue_key(config.seed, j)), 0)
+      for j in range(1, lag + 1)
+    ]
+  pending = list(pending or [])
   with jax.set_mesh(program.mesh):
     while iteration < config.num_iterations:
       t0 = time.perf_counter()
       rng, k_rollout, k_update = jax.random.split(rng, 3)
-      tasks = stream.take(config.rollout.tasks_per_iteration)
-      with jax.set_mesh(program.decode.mesh):  # the sampler on the decode layout
-        # The key comes from the learner's (checkpointed, on the learner's mesh): replicated
-        # on the decode mesh like every other input of the sampler.
-        k_rollout = _key_on(k_rollout, program.decode.mesh)
-        decode_params = program.decode(state.params)
-        result = program.roller.run(
-          decode_params, tasks, config.rollout.samples_per_task, k_rollout
-        )
-        if dynamic_sampling:  # DAPO: more tasks until the batch holds B informative groups
-          result = refill_informative_groups(
-            program.roller,
-            stream,
-            decode_params,
-            k_rollout,
-            result,
-            tasks_per_iteration=config.rollout.tasks_per_iteration,
-            samples_per_task=config.rollout.samples_per_task,
-            max_refills=program.learner_config.dapo_max_refills,
-          )
+      rollout_time = 0.0
+      params = decode_params(state.params)  # theta_{i-1}: before the update donates it
+      if not lag:
+        this = pipeline.Sampled(sample(params, k_rollout), iteration)
+        rollout_time = time.perf_counter() - t0
+      else:
+        this = pending.pop(0)
       t1 = time.perf_counter()
+      result = this.result
       # This process's rows of the batch; their length is the whole batch's.
       longest = max((len(t.tokens) for t in result.trajectories), default=1)
       batch = rollout.collate(
@@ -116,18 +149,26 @@ def run(
         longest=max(program.processes.allgather(longest)),
       )
       learner.validate(batch, program.learner_config.num_turns, num_rows=global_rows)
-      state, learner_metrics = program.update(
+      state, learner_metrics = program.update(  # dispatched: runs while the next batch samples
         state, learner.shard_batch(batch, program.mesh), k_update
       )
+      if lag:  # B_{i+k} with theta_{i-1}, while the update runs
+        if not overlap:
+          jax.block_until_ready(state)
+        t_sample = time.perf_counter()
+        pending.append(pipeline.Sampled(sample(params, k_rollout), iteration))
+        rollout_time = time.perf_counter() - t_sample
       learner_metrics = jax.device_get(learner_metrics)
       t2 = time.perf_counter()
       iteration += 1
       metrics = dict(result.metrics)
       metrics.update(_scalars(learner_metrics))
-      metrics["time/rollout"] = t1 - t0
-      metrics["time/update"] = t2 - t1
+      metrics["time/rollout"] = rollout_time
+      metrics["time/update"] = t2 - t1  # with lag, the sampling that overlaps it included
       metrics["time/iteration"] = t2 - t0
       metrics["time/env_wait_share"] = result.metrics["rollout/env_wait_time"] / (t2 - t0)
+      if lag:
+        metrics["pipeline/lag"] = pipeline.version_lag(iteration, this.version)
       if _due(iteration, config.eval.every, config.num_iterations):
         metrics.update(_evaluate(program, state, eval_ids, config, iteration, k))
       progress_fn(iteration, metrics)
@@ -138,6 +179,8 @@ def run(
       timed = timer.due(program.processes)
       if checkpointer.should_save(iteration) or timed or final or stop:
         progress = {"iteration": iteration, "task_position": stream.position}
+        if lag:
+          progress[pipeline.PROGRESS_KEY] = pipeline.to_progress(pending, program.processes)
         checkpointer.save(iteration, state, rng, progress, force=final or timed or bool(stop))
         timer.restart()
       if stop is not None and not final:

@@ -52,6 +52,7 @@ from seeupo_jax.training import export
 from seeupo_jax.training import loop
 from seeupo_jax.training import metrics_log
 from seeupo_jax.training import oracle
+from seeupo_jax.training import pipeline
 from seeupo_jax.training import preemption
 from seeupo_jax.training import program as program_lib
 from seeupo_jax.training import workdir as workdir_lib
@@ -290,7 +291,7 @@ def _training(
   checkpointer = _checkpoints(config, workdir, defaults)
   state = program.init_state()
   rng = _replicated_key(config.seed, program.mesh)
-  iteration, position = 0, 0
+  iteration, position, pending = 0, 0, None
   try:
     restored = _restore(checkpointer, workdir, "resume", state, rng)
   except BaseException:
@@ -299,8 +300,19 @@ def _training(
   if restored is not None:
     iteration, state, rng, progress = restored
     position = int(progress["task_position"])
+    try:
+      pending = pipeline.from_progress(progress, program.processes, config.pipeline.lag)
+    except ValueError as e:
+      checkpointer.close()
+      raise ConfigError(f"cannot resume {workdir}: {e}") from e
     logging.info("resumed from iteration %d (task position %d)", iteration, position)
     _print(f"resuming {workdir} from iteration {iteration}", program)
+  if config.pipeline.lag and config.learner.tis == "off":
+    _print(
+      f"pipeline.lag={config.pipeline.lag} without learner.tis: the update weighs rollouts of "
+      "older params as its own (learner.tis=sequence corrects them: docs/learner.md)",
+      program,
+    )
   stream = TaskStream(train_ids, config.seed, position)
   # Process 0 alone writes the logs. Lines of iterations after the checkpoint (a crash between
   # logging and saving) are dropped, and torn lines wherever they are.
@@ -329,6 +341,7 @@ def _training(
         progress_fn=writers.fan_out(progress_writers),
         trajectories_fn=writers.trajectory_log(workdir, program, config.log.trajectories),
         watch=watch,
+        pending=pending,
       )
   finally:
     if bar is not None:

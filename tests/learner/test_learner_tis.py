@@ -201,14 +201,15 @@ def _sample_logp(batch):
 TIS_BATCHES = {name: b.replace(sample_logp=_sample_logp(b)) for name, b in BATCHES.items()}
 
 
-def reference_tis_update(config, batch, lr):
+def reference_tis_update(config, batch, lr, start_table=TABLE0):
   """One call of a critic-free algorithm with TIS, SGD, one mini-batch, from the definitions:
   w from the starting table's log-probs and the batch's sample_logp (SeeUPO: per (row, turn) at
-  the sequence level), the policy loss on advantages A * w (SeeUPO: A * M * w), KL unweighted."""
+  the sequence level), the policy loss on advantages A * w (SeeUPO: A * M * w), KL unweighted
+  (against TABLE0, the reference policy)."""
   tokens, valid = np.asarray(batch.tokens), np.asarray(batch.token_valid, bool)
   turn_ids, row_valid = np.asarray(batch.turn_ids), np.asarray(batch.row_valid, bool)
   generated = ((turn_ids >= 0) & valid & row_valid[:, None]).astype(np.float64)
-  table = np.array(TABLE0, np.float64)
+  table = np.array(start_table, np.float64)
 
   def logp_at(params):
     return ref.table_logp(params, tokens, valid)
@@ -239,7 +240,7 @@ def reference_tis_update(config, batch, lr):
     clip_low=config.clip_low, clip_high=config.clip_high, kl_coef=config.kl_coef, agg=config.agg
   )
   margin = ref._Margin()
-  ref_logp = start
+  ref_logp = logp_at(np.array(TABLE0, np.float64))
 
   def steps(params, old, adv, mask):
     for _ in range(config.epochs):
@@ -274,12 +275,12 @@ def _update(config):
   return learner.make_update(logprob_fn, optax.sgd(_lr(config.algorithm)), config)
 
 
-def run(config, batch):
+def run(config, batch, start_table=TABLE0):
   critic = {}
   if config.spec.critic:
     critic = dict(critic_params={"v": jnp.asarray(VALUES0)}, critic_optimizer=optax.sgd(LR))
   state = learner.init_state(
-    {"table": jnp.asarray(TABLE0)},
+    {"table": jnp.asarray(start_table)},
     optax.sgd(_lr(config.algorithm)),
     ref_params={"table": jnp.asarray(TABLE0)},
     **critic,
@@ -352,6 +353,52 @@ def test_tis_with_the_learners_own_logprobs_is_tis_off(algorithm, level, epochs)
   assert sorted(metrics) == sorted(learner.metrics.names(config))
   for name, value in metrics_off.items():
     np.testing.assert_allclose(metrics[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollouts of older params (`pipeline.lag` k): the behaviour policy is the params k updates back.
+
+
+@functools.cache
+def _tables():
+  """theta_0 .. theta_2: TABLE0, then the learner's own SeeUPO updates (TIS off) on the full and
+  the ragged batch, as a run's iterations would make them."""
+  config = tis_config("seeupo", 1, "off")
+  state = learner.init_state(
+    {"table": jnp.asarray(TABLE0)}, optax.sgd(LR), ref_params={"table": jnp.asarray(TABLE0)}
+  )
+  tables = [np.asarray(TABLE0)]
+  for name in ("full", "ragged"):
+    state, _ = _update(config)(state, jax.tree.map(jnp.asarray, BATCHES[name]), jax.random.key(0))
+    tables.append(np.asarray(state.params["table"]))
+  return tables
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("lag", [1, 2])
+def test_a_batch_sampled_lag_updates_ago_is_corrected_as_the_reference(lag, level):
+  """The update at theta_2 of a batch sampled with theta_{2-k}: pi_old is the proximal policy
+  (theta_2's own log-probs), the weights min(pi_prox / pi_behaviour, C) come from the recorded
+  log-probs of theta_{2-k}. SeeUPO's whole update equals the float64 reference of that objective;
+  the weights are not 1 (the lag matters) and without them the update is another."""
+  tables = _tables()
+  proximal, behaviour = tables[2], tables[2 - lag]
+  assert np.max(np.abs(proximal - behaviour)) > 0.1  # the updates moved the policy
+  batch = BATCHES["ragged"]
+  sample_logp = ref.table_logp(behaviour, np.asarray(batch.tokens), np.asarray(batch.token_valid))
+  batch = batch.replace(
+    sample_logp=np.where(np.asarray(batch.turn_ids) >= 0, sample_logp, 0.0).astype(np.float32)
+  )
+  config = tis_config("seeupo", 1, level)
+  table, metrics = run(config, batch, start_table=proximal)
+  want, w_mean, w_share, margin = reference_tis_update(config, batch, LR, start_table=proximal)
+  assert margin > 1e-4
+  np.testing.assert_allclose(table, want, rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(metrics["tis_weight_mean"], w_mean, rtol=1e-5)
+  np.testing.assert_allclose(metrics["tis_truncated_share"], w_share, rtol=1e-5)
+  assert abs(w_mean - 1.0) > 1e-2
+  uncorrected, _ = run(config.replace(tis="off"), batch, start_table=proximal)
+  assert np.max(np.abs(uncorrected - table)) > 1e-3
 
 
 def test_tis_is_off_by_default_and_validated():

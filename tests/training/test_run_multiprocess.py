@@ -3,7 +3,9 @@ devices each) against 1 process of 4 devices, and a kill -9 of one process then 
 
 The 2-process run must play the 1-process run's trajectories and end with its params (the
 learner is the same SPMD program on the same 4 devices; the sampler runs per process), with one
-metrics file that holds each iteration once, written by process 0 alone.
+metrics file that holds each iteration once, written by process 0 alone. Every run samples one
+batch ahead of its update (`pipeline.lag=1`; the synchronous program is the same loop without
+the batches in flight: tests/training/test_pipeline.py).
 """
 
 import json
@@ -32,6 +34,9 @@ from experiments import configs  # noqa: E402
 
 ITERATIONS = 2  # a kill after the first checkpoint leaves the second iteration to the rerun
 SMALL = (
+  # Every run here samples each batch an iteration ahead (`pipeline.lag`): checkpoint 1 holds
+  # B_2, each process's part of it, which the rerun after the kill trains.
+  "--config.pipeline.lag=1",
   "--config.env.num_dials=2",
   "--config.rollout.max_turns=2",
   "--config.rollout.tasks_per_iteration=2",

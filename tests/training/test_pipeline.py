@@ -1,0 +1,172 @@
+"""`pipeline.lag`: the batch trained at iteration i was sampled with the params of iteration
+max(0, i - 1 - k), sampled while the update before it runs; the schedule does not depend on the
+overlap, and a resumed run trains the batches the checkpoint holds.
+
+One process, in-process, with one built program (its sampler and update compile once), lag 2.
+Two processes with a lag: tests/training/test_run_multiprocess.py.
+"""
+
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from seeupo_jax import learner
+from seeupo_jax import rollout
+from seeupo_jax.training import checkpoints, config as config_lib, loop, metrics_log, trainer
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from experiments import configs  # noqa: E402
+
+ITERATIONS = 4
+LAG = 2  # two batches in flight: the prologue samples B_1 and B_2 with theta_0
+
+
+def small_config(lag, num_iterations=ITERATIONS):
+  c = configs.get_config("synthetic")
+  c.env.num_dials = 1
+  c.rollout.max_turns = 1
+  c.rollout.tasks_per_iteration = 4
+  c.rollout.samples_per_task = 2
+  c.rollout.max_context_tokens = 128
+  c.rollout.env_workers = 2
+  c.num_iterations = num_iterations
+  c.eval.num_tasks = 4
+  c.eval.k = 1
+  c.eval.every = 2  # the stopped run of the resume test ends at 2, with an evaluation
+  c.checkpoint.every = 1  # every iteration's params, to check which of them sampled what
+  c.checkpoint.keep = 10
+  c.checkpoint.asynchronous = False
+  c.log.progress_bar = False
+  c.log.plot = False
+  c.log.tensorboard = False
+  c.pipeline.lag = lag
+  return c
+
+
+@pytest.fixture(scope="module")
+def program():
+  program = trainer.build(small_config(LAG))
+  yield program
+  program.close()
+
+
+@pytest.fixture(scope="module")
+def whole(program, tmp_path_factory):
+  """The uninterrupted run."""
+  workdir = tmp_path_factory.mktemp("whole")
+  trainer._train(small_config(LAG), str(workdir), program)
+  return workdir
+
+
+def _timing(key):
+  """A clock reading or the engine's schedule (`rollout/`: when the environments answered)."""
+  return key == "time" or key.startswith(("time/", "rollout/"))
+
+
+def _timeless(workdir):
+  records = metrics_log.read_metrics(str(workdir / "metrics.jsonl"))
+  return [{k: v for k, v in r.items() if not _timing(k)} for r in records]
+
+
+def _trajectories(workdir):
+  return [json.loads(line) for line in (workdir / "trajectories.jsonl").read_text().splitlines()]
+
+
+def _restore(program, workdir, iteration):
+  """Checkpoint `iteration` of `workdir`: (params, progress)."""
+  state = program.init_state()
+  rng = jax.random.key(0)
+  checkpointer = checkpoints.Checkpointer(str(workdir / "checkpoints"), read_only=True)
+  try:
+    _, restored, _, progress = checkpointer._restore(
+      iteration, checkpoints.abstract_of(state), checkpoints.abstract_of(rng)
+    )
+  finally:
+    checkpointer.close()
+  return restored.params, progress
+
+
+def _teacher_forced(program, params, trajectories):
+  """The learner's log-probs of the trajectories' generated tokens under `params`, in the
+  trajectories' token order (float32, as the sampler records them)."""
+  batch = rollout.collate(trajectories, num_turns=1, max_len=128)
+  logprob_fn = learner.qwen_logprob_fn(program.model_config, temperature=1.0)
+  logp = np.asarray(jax.jit(logprob_fn)(params, jax.tree.map(jax.numpy.asarray, batch)))
+  generated = np.asarray(batch.turn_ids) >= 0
+  sampled = np.asarray(batch.sample_logp)
+  return logp[generated], sampled[generated]
+
+
+@pytest.mark.slow
+def test_each_batch_is_sampled_with_the_params_lag_iterations_before_its_update(program, whole):
+  """Checkpoint i holds B_{i+1} .. B_{i+k}; B_j's recorded log-probs are those of the params of
+  iteration max(0, j - 1 - k) (teacher-forced from that checkpoint), not the newer ones'."""
+  lag = LAG
+  assert small_config(lag).rollout.temperature == 1.0  # the teacher-forced log-probs' temperature
+  workdir = whole
+  params = {0: program.init_state().params}
+  pending = {}
+  for i in range(1, ITERATIONS + 1):
+    params[i], progress = _restore(program, workdir, i)
+    entries = progress["pending"]
+    assert len(entries) == lag
+    for offset, entry in enumerate(entries, start=1):
+      pending[i + offset] = entry
+  records = metrics_log.read_metrics(str(workdir / "metrics.jsonl"))
+  assert [r["pipeline/lag"] for r in records] == [min(i - 1, lag) for i in range(1, ITERATIONS + 1)]
+  for j, entry in sorted(pending.items()):
+    version = max(0, j - 1 - lag)
+    assert entry["version"] == version, (j, entry["version"])
+    (part,) = entry["processes"]
+    trajectories = [rollout.Trajectory(**t) for t in part["trajectories"]]
+    learner_logp, sampled = _teacher_forced(program, params[version], trajectories)
+    np.testing.assert_allclose(learner_logp, sampled, atol=2e-5)
+    newer, _ = _teacher_forced(program, params[version + 1], trajectories)
+    assert np.max(np.abs(newer - sampled)) > 1e-3  # the check tells the versions apart
+
+
+@pytest.mark.slow
+def test_the_overlapped_run_equals_its_schedule_run_step_by_step(
+  program, whole, tmp_path, monkeypatch
+):
+  """Sampling B_{i+1} while the update of B_i runs changes nothing: the run that waits for each
+  update first has the same trajectories, metrics and params."""
+  lag = LAG
+  workdir = tmp_path / "step_by_step"
+  run = loop.run
+  monkeypatch.setattr(loop, "run", lambda *a, **kw: run(*a, **kw, overlap=False))
+  trainer._train(small_config(lag), str(workdir), program)
+  assert _timeless(workdir) == _timeless(whole)
+  assert _trajectories(workdir) == _trajectories(whole)
+  a, _ = _restore(program, workdir, ITERATIONS)
+  b, _ = _restore(program, whole, ITERATIONS)
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_trains_the_batches_its_checkpoint_holds(program, whole, tmp_path):
+  """Stopped after iteration 2 (its checkpoint holds B_3 and B_4), then resumed to 4: the
+  metrics, trajectories and params of the run that never stopped. A lag of 0 on that workdir is
+  refused: another schedule."""
+  lag = LAG
+  workdir = tmp_path / "resumed"
+  trainer._train(small_config(lag, num_iterations=2), str(workdir), program)
+  trainer._train(small_config(lag), str(workdir), program)
+  assert _timeless(workdir) == _timeless(whole)
+  assert _trajectories(workdir) == _trajectories(whole)
+  a, _ = _restore(program, workdir, ITERATIONS)
+  b, _ = _restore(program, whole, ITERATIONS)
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+  with pytest.raises(config_lib.ConfigError, match="pipeline.lag"):
+    trainer.train(small_config(0, num_iterations=6), str(workdir))
+
+
+def test_a_lag_outside_its_range_names_the_key():
+  with pytest.raises(
+    config_lib.ConfigError, match=r"pipeline\.lag=-1; allowed: an int in \[0, 8\]"
+  ):
+    config_lib.typed(small_config(-1))
