@@ -110,7 +110,8 @@ def _is_iteration(name: str) -> bool:
 
 def _local_files(root: str, workdir: bool = True) -> Iterator[str]:
   """Paths relative to `root` of its files, but files being pulled; of a workdir (`workdir`),
-  not the lock or the checkpoints (`Mirror` copies those as whole directories)."""
+  not the lock, the checkpoints (`Mirror` copies those as whole directories) or hidden files
+  (temporary files being written)."""
   for directory, dirs, files in os.walk(root):
     relative = os.path.relpath(directory, root)
     if relative == "." and workdir:
@@ -118,7 +119,7 @@ def _local_files(root: str, workdir: bool = True) -> Iterator[str]:
       files = [f for f in files if f != workdir_lib.LOCK_FILE]
     dirs.sort()
     for name in sorted(files):
-      if not name.endswith(_PULLING):
+      if not name.endswith(_PULLING) and not (workdir and name.startswith(".")):
         yield os.path.normpath(os.path.join(relative, name))
 
 
