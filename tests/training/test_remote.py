@@ -188,6 +188,23 @@ def _run(bucket, *args, fail=None, **env):
   )
 
 
+def test_run_py_refuses_a_bucket_locked_from_another_host_in_one_line(tmp_path):
+  bucket, local = tmp_path / "bucket", tmp_path / "local"
+  lock = bucket / "gs" / "bucket" / "run" / "lock"
+  lock.parent.mkdir(parents=True)
+  lock.write_text('{"host": "elsewhere", "pid": 7, "started": "2026-12-01T10:00:00+00:00"}')
+  before = lock.read_text()
+  proc = _run(bucket, f"--workdir={REMOTE}", f"--local_dir={local}", "--config.num_iterations=1")
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines() == [
+    f"error: --config=synthetic: the remote workdir {REMOTE} is locked by pid 7 on host "
+    f"elsewhere (started 2026-12-01T10:00:00+00:00): {REMOTE}/lock is there (an object store "
+    "has no flock: a run on another host cannot be seen to be alive); if that run is gone, "
+    "rerun with --take_remote_lock"
+  ]
+  assert lock.read_text() == before and not local.exists()  # nothing changed or left behind
+
+
 @pytest.mark.slow
 def test_a_run_on_a_bucket_survives_a_refused_copy_and_resumes_from_the_bucket_alone(
   whole_run,  # noqa: F811
