@@ -13,6 +13,12 @@ r"""Runs one experiment: a config from the registry, overrides, a workdir.
 workdir resumes from its last checkpoint. The config's `program` selects
 what runs, from the fixed table `PROGRAMS`. This file only dispatches.
 
+A remote workdir (`--workdir=gs://BUCKET/run`, `s3://...`; the training
+program only): the run writes `--local_dir` (default: a directory under the
+system's temp dir named after the remote path) and copies it to the remote
+after each checkpoint and at the end; a fresh machine pulls the remote's
+checkpoints first (docs/training.md, "Remote storage").
+
 Many processes (a TPU pod slice, SLURM nodes, or several processes on one machine): the same
 command in every process. `--distributed=auto` (the default) starts JAX's multi-process
 runtime when `--num_processes` > 1 is given (with `--coordinator_address` and
@@ -27,9 +33,11 @@ runtime when `--num_processes` > 1 is given (with `--coordinator_address` and
 Expected failures end the run with one line on stderr, `error: ...`, and a
 non-zero status, never a traceback: a bad config, an environment that cannot
 run here, a workdir that cannot be used (a file, locked by a live run, only
-unreadable checkpoints) (status 2); environments failing mid-run, a server pool
-gone, an oracle that fails (status 1; their traceback goes to
-`<workdir>/error.log`, which the line names). An unexpected exception (a bug)
+unreadable checkpoints; a remote one unreachable or locked) (status 2); a copy
+to a remote workdir that fails mid-run (status 1; the local directory keeps
+every file); environments failing mid-run, a server pool gone, an oracle that
+fails (status 1; their traceback goes to `<workdir>/error.log`, which the line
+names). An unexpected exception (a bug)
 shows its traceback.
 """
 
@@ -52,7 +60,21 @@ from ml_collections import config_flags  # noqa: E402
 from experiments import configs  # noqa: E402
 
 DEFAULT_CONFIG = "synthetic"
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default runs/<config name>).")
+_WORKDIR = flags.DEFINE_string(
+  "workdir", None, "Output directory (default runs/<config name>), or gs://..., s3://..."
+)
+_LOCAL_DIR = flags.DEFINE_string(
+  "local_dir",
+  None,
+  "With a remote --workdir: the local directory the run writes and copies from (default: "
+  "<temp dir>/seeupo_jax/<name>-<hash of the remote path>).",
+)
+_TAKE_REMOTE_LOCK = flags.DEFINE_bool(
+  "take_remote_lock",
+  False,
+  "With a remote --workdir: take its lock object even if another run's is there (that run is "
+  "gone).",
+)
 _DISTRIBUTED = flags.DEFINE_enum(
   "distributed",
   "auto",
@@ -70,6 +92,7 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0 
 def _run_bandit(config: ml_collections.ConfigDict, workdir: str, defaults) -> None:
   from seeupo_jax.theory import sweep  # pylint: disable=g-import-not-at-top
   from seeupo_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
+  from seeupo_jax.training import remote  # pylint: disable=g-import-not-at-top
   from seeupo_jax.training import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
 
   del defaults
@@ -77,6 +100,11 @@ def _run_bandit(config: ml_collections.ConfigDict, workdir: str, defaults) -> No
     sweep.validate(config)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from None
+  if remote.is_remote(workdir):
+    raise workdir_lib.WorkdirError(
+      f"--workdir={workdir}: the bandit program writes a local directory only; pass a local "
+      "--workdir and copy it"
+    )
   workdir_lib.prepare(workdir)
   sweep.main(config, workdir)
 
@@ -85,7 +113,13 @@ def _run_train(config, workdir: str, defaults) -> None:
   """Trains; `config` is the typed `TrainConfig` (`seeupo_jax.training.config.typed`)."""
   from seeupo_jax.training import trainer  # pylint: disable=g-import-not-at-top
 
-  trainer.main(config, workdir, defaults)
+  trainer.main(
+    config,
+    workdir,
+    defaults,
+    local_dir=_LOCAL_DIR.value,
+    take_remote_lock=_TAKE_REMOTE_LOCK.value,
+  )
 
 
 PROGRAMS = {
@@ -221,6 +255,9 @@ def _main(argv: list[str], name: str) -> None:
   try:
     # The config file's defaults: a resumed checkpoint may lack keys added since.
     PROGRAMS[config.program](config, workdir, configs.get_config(name))
+  except trainer.remote.RemoteWriteFailed as e:  # mid-run: the local directory keeps everything
+    print(f"error: --config={name}: {one_line(e)}", file=sys.stderr)
+    sys.exit(1)
   except (envs.EnvironmentUnavailable, trainer.WorkdirError) as e:
     print(f"error: --config={name}: {one_line(e)}", file=sys.stderr)
     sys.exit(2)
@@ -231,9 +268,16 @@ def _main(argv: list[str], name: str) -> None:
     print(f"stopped: --config={name}: {e}", file=sys.stderr)
     sys.exit(trainer.preemption.EXIT_STATUS)
   except (rollout.EnvironmentFailure, rollout.EnvCallFailed, oracle.OracleFailure) as e:
-    log = write_error_log(workdir)
+    log = write_error_log(local_workdir(workdir))
     print(f"error: --config={name}: {one_line(e)} (traceback in {log})", file=sys.stderr)
     sys.exit(1)
+
+
+def local_workdir(workdir: str) -> str:
+  """The directory the run writes: `workdir`, or a remote workdir's local directory."""
+  from seeupo_jax.training import remote  # pylint: disable=g-import-not-at-top
+
+  return remote.local_dir_for(workdir, _LOCAL_DIR.value) if remote.is_remote(workdir) else workdir
 
 
 def one_line(error: BaseException) -> str:

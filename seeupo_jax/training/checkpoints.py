@@ -54,7 +54,7 @@ import json
 import logging as std_logging
 import os
 import sys
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import orbax.checkpoint as ocp
@@ -241,6 +241,10 @@ class Checkpointer:
     read_only: never change the directory: no `save`, leftover temporary directories are left
       alone (they may be a running trainer's save in progress) and unreadable checkpoints are
       not moved aside. For readers beside a trainer (an evaluation).
+    on_saved: called by the primary process with the iteration of each save once it is
+      complete on disk, its `file_sizes.json` written (`finish`): e.g. a remote mirror's push
+      (`remote.Mirror`). What it raises propagates from `finish` (and so from `save` and
+      `close`); the checkpoint stays as it is.
   """
 
   def __init__(
@@ -255,6 +259,7 @@ class Checkpointer:
     moved: Optional[Mapping[str, str]] = None,
     read_only: bool = False,
     asynchronous: bool = False,
+    on_saved: Optional[Callable[[int], None]] = None,
   ):
     if keep < 1 or every < 1:
       raise ValueError(f"Checkpointer needs keep >= 1 and every >= 1, got {keep=}, {every=}")
@@ -266,6 +271,7 @@ class Checkpointer:
     self._allowed_to_differ = tuple(allowed_to_differ)
     self._moved = dict(moved or {})
     self.asynchronous = asynchronous
+    self._on_saved = on_saved
     self._in_flight: Optional[int] = None  # the iteration an asynchronous save is writing
     self._manager = ocp.CheckpointManager(
       self.directory,
@@ -365,11 +371,13 @@ class Checkpointer:
 
   def finish(self) -> Optional[int]:
     """Waits for the save in flight (if any) to be complete on disk and records its files'
-    sizes; returns its iteration (None if none was in flight)."""
+    sizes, then calls `on_saved`; returns its iteration (None if none was in flight)."""
     self._manager.wait_until_finished()
     iteration, self._in_flight = self._in_flight, None
     if iteration is not None and jax.process_index() == 0:
       _write_file_sizes(self._where(iteration))
+      if self._on_saved is not None:
+        self._on_saved(iteration)
     return iteration
 
   def _manifest(self, iteration: int) -> dict[str, Any]:
@@ -515,8 +523,10 @@ class Checkpointer:
 
   def close(self) -> None:
     """Waits for pending work and releases the manager."""
-    self.finish()
-    self._manager.close()
+    try:
+      self.finish()
+    finally:
+      self._manager.close()
 
   def __enter__(self) -> "Checkpointer":
     return self

@@ -30,6 +30,10 @@ devices (global group numbers: the trajectories of a one-process run), collates 
 the global batch is built from every process's rows for the one SPMD update. Process 0 alone
 writes metrics, TensorBoard, trajectories, curves and the HF export; checkpoints are orbax's,
 written by every process.
+
+A remote workdir (`gs://`, `s3://`; `remote.py`): the run writes a local directory as it would a
+local workdir, and process 0 copies it to the remote after each completed checkpoint and at the
+end (`remote.Mirror`), having pulled the remote's newer checkpoints first.
 """
 
 from __future__ import annotations
@@ -37,11 +41,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from typing import Iterator
 
 from absl import logging
 import jax
 import ml_collections
 
+from seeupo_jax import distributed
 from seeupo_jax import envs
 from seeupo_jax import learner  # noqa: F401  (`trainer.learner`: the package `build` calls)
 from seeupo_jax import rollout
@@ -55,6 +61,7 @@ from seeupo_jax.training import oracle
 from seeupo_jax.training import pipeline
 from seeupo_jax.training import preemption
 from seeupo_jax.training import program as program_lib
+from seeupo_jax.training import remote
 from seeupo_jax.training import workdir as workdir_lib
 from seeupo_jax.training import writers
 from seeupo_jax.training.dynamic_sampling import REFILL_STREAM, refill_informative_groups  # noqa: F401
@@ -101,27 +108,84 @@ AnyConfig = TrainConfig | ml_collections.ConfigDict
 """What the entry points take: a ConfigDict (overrides applied) is typed once, on entry."""
 
 
-def main(config: AnyConfig, workdir: str, defaults=None) -> dict:
+def main(
+  config: AnyConfig,
+  workdir: str,
+  defaults=None,
+  *,
+  local_dir: str | None = None,
+  take_remote_lock: bool = False,
+) -> dict:
   """Runs what the config asks: the oracle check, an evaluation, or training.
 
   Args:
     config: the training config (a ConfigDict, overrides applied, is made typed first:
       `config_lib.typed`).
-    workdir: the run's directory.
+    workdir: the run's directory, local or remote (`gs://...`, `s3://...`: `remote.py`).
     defaults: the config before overrides (the config file's `get_config()`): a key that a
       resumed checkpoint lacks (added since) may be at its default (`checkpoints.check_config`).
+    local_dir: with a remote workdir, the local directory the run writes (default
+      `remote.local_dir_for(workdir)`; with many processes it must be given: one directory every
+      process sees). Ignored for a local workdir.
+    take_remote_lock: take a remote workdir's lock object even if another run's is there.
 
   Raises:
     ConfigError: a bad config value, before anything is built.
     WorkdirError: the workdir is a file, locked by a live run, or holds only unreadable
-      checkpoints.
+      checkpoints; a remote workdir cannot be reached, is locked, or a copy to it failed
+      (`remote.RemoteError`).
   """
   config = config_lib.typed(config)
+  mirror = _mirror(workdir, local_dir)
   if config.policy == "oracle":
-    return check_oracle(config, workdir)
+    return check_oracle(config, workdir, mirror)
   if config.eval_only:
-    return _evaluate_only_typed(config, workdir, defaults)
-  return _train_typed(config, workdir, defaults)
+    return _evaluate_only_typed(config, workdir, defaults, mirror)
+  return _train_typed(config, workdir, defaults, mirror, take_remote_lock)
+
+
+def _mirror(workdir: str, local_dir: str | None) -> remote.Mirror | None:
+  """The mirror of a remote workdir (None for a local one), its remote checked in process 0."""
+  if not remote.is_remote(workdir):
+    return None
+  if not local_dir and jax.process_count() > 1:
+    raise WorkdirError(
+      f"the remote workdir {workdir} with {jax.process_count()} processes needs --local_dir: "
+      "one directory that every process sees (each writes its shards of the checkpoints there)"
+    )
+  mirror = remote.Mirror(workdir, remote.local_dir_for(workdir, local_dir))
+  if jax.process_index() == 0:
+    mirror.check()
+  return mirror
+
+
+def _local(workdir: str, mirror: remote.Mirror | None) -> str:
+  """The directory the run writes: the workdir, or a remote workdir's local directory."""
+  return workdir if mirror is None else mirror.local
+
+
+@contextlib.contextmanager
+def _remote_workdir(mirror: remote.Mirror | None, take_lock: bool) -> Iterator[None]:
+  """For the block: a remote workdir's lock object held and its newer files pulled (process 0),
+  every process waiting for the pull; nothing for a local workdir."""
+  if mirror is None:
+    yield
+    return
+  processes = distributed.Processes.current()
+  with mirror.lock(take_lock) if processes.is_main else contextlib.nullcontext():
+    _pull(mirror, processes)
+    yield
+
+
+def _pull(mirror: remote.Mirror, processes: distributed.Processes) -> None:
+  """Process 0 pulls the remote's newer files (`Mirror.pull`); every process waits for it."""
+  if processes.is_main:
+    pulled = mirror.pull()
+    _print(
+      f"workdir {mirror.remote}: writing to {mirror.local}, copied there after each checkpoint"
+      + (f"; pulled {', '.join(pulled)}" if pulled else "")
+    )
+  processes.allgather(None)  # the others restore only what process 0 has pulled
 
 
 def build(config: AnyConfig) -> Program:
@@ -138,8 +202,9 @@ def build(config: AnyConfig) -> Program:
   return program_lib.build(config_lib.typed(config))
 
 
-def check_oracle(config: TrainConfig, workdir: str) -> dict:
-  """Plays every train and eval task with the environment's oracle; prints and returns the report.
+def check_oracle(config: TrainConfig, workdir: str, mirror: remote.Mirror | None = None) -> dict:
+  """Plays every train and eval task with the environment's oracle; prints and returns the report
+  (oracle.json, also copied to a remote workdir by `mirror`).
 
   Raises:
     ConfigError: the environment has no oracle (or bad env options).
@@ -155,14 +220,17 @@ def check_oracle(config: TrainConfig, workdir: str) -> dict:
     raise ConfigError("policy='oracle' plays no model: run it as one process")
   r = config.rollout
   worker_config = r.rollout_config().worker_config(spec.isolation)
-  with workdir_lib.prepared(workdir):
+  local = _local(workdir, mirror)
+  with workdir_lib.prepared(local):
     env_workers = rollout.make_workers(spec, worker_config)
     try:
-      report = oracle.check(spec, r.max_turns, r.env_workers, workdir, env_workers)
+      report = oracle.check(spec, r.max_turns, r.env_workers, local, env_workers)
     finally:
       env_workers.shutdown()
   rows = [{"split": split, **values} for split, values in report.items()]
   _print(metrics_log.format_table(rows, list(rows[0])))
+  if mirror is not None:
+    mirror.push(["oracle.json"])
   _print(f"the oracle solved every task; report in {os.path.join(workdir, 'oracle.json')}")
   return report
 
@@ -176,9 +244,14 @@ def _checkpointer(
 
 
 def _checkpoints(
-  config: TrainConfig, workdir: str, defaults=None, *, read_only: bool = False
+  config: TrainConfig,
+  workdir: str,
+  defaults=None,
+  *,
+  read_only: bool = False,
+  on_saved=None,
 ) -> checkpoints.Checkpointer:
-  """`_checkpointer` of a typed config."""
+  """`_checkpointer` of a typed config (`on_saved`: `checkpoints.Checkpointer`'s)."""
   return checkpoints.Checkpointer(
     os.path.join(workdir, "checkpoints"),
     keep=config.checkpoint.keep,
@@ -189,6 +262,7 @@ def _checkpoints(
     moved=config_lib.MOVED_KEYS,
     read_only=read_only,
     asynchronous=config.checkpoint.asynchronous,
+    on_saved=on_saved,
   )
 
 
@@ -216,20 +290,29 @@ def evaluate_only(config: AnyConfig, workdir: str, defaults=None) -> dict:
   return _evaluate_only_typed(config_lib.typed(config), workdir, defaults)
 
 
-def _evaluate_only_typed(config: TrainConfig, workdir: str, defaults=None) -> dict:
-  with workdir_lib.prepared(workdir):
+def _evaluate_only_typed(
+  config: TrainConfig, workdir: str, defaults=None, mirror: remote.Mirror | None = None
+) -> dict:
+  local = _local(workdir, mirror)
+  with workdir_lib.prepared(local):
+    if mirror is not None:  # the remote's newer checkpoints (its lock is not taken)
+      _pull(mirror, distributed.Processes.current())
     program = program_lib.build(config)
   try:
-    scores = _evaluate_only(config, workdir, program, defaults)
+    scores = _evaluate_only(config, local, program, defaults, mirror)
   finally:
     program.close()
   if program.processes.is_main:
-    _print(outputs(workdir))
+    _print(outputs(local))
   return scores
 
 
 def _evaluate_only(
-  config: TrainConfig, workdir: str, program: Program, defaults=None
+  config: TrainConfig,
+  workdir: str,
+  program: Program,
+  defaults=None,
+  mirror: remote.Mirror | None = None,
 ) -> dict[str, float]:
   state = program.init_state()
   checkpointer = _checkpoints(config, workdir, defaults, read_only=True)
@@ -251,6 +334,8 @@ def _evaluate_only(
   if program.processes.is_main:
     with open(os.path.join(workdir, f"eval_{iteration}.json"), "w", encoding="utf-8") as f:
       json.dump({"iteration": iteration, **scores}, f, indent=1)
+    if mirror is not None:
+      mirror.push([f"eval_{iteration}.json"])
   return scores
 
 
@@ -259,21 +344,33 @@ def train(config: AnyConfig, workdir: str, defaults=None) -> dict[str, float]:
 
   The workdir is locked for the run (`workdir.lock`, by process 0): a second trainer on it is
   refused before it builds anything. Returns the last iteration's metrics and the final
-  evaluation.
+  evaluation. A remote workdir: `main`.
   """
-  return _train_typed(config_lib.typed(config), workdir, defaults)
+  return _train_typed(config_lib.typed(config), workdir, defaults, _mirror(workdir, None))
 
 
-def _train_typed(config: TrainConfig, workdir: str, defaults=None) -> dict[str, float]:
-  held = workdir_lib.lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
-  with workdir_lib.prepared(workdir), held:  # a run refused at start-up leaves no empty workdir
+def _train_typed(
+  config: TrainConfig,
+  workdir: str,
+  defaults=None,
+  mirror: remote.Mirror | None = None,
+  take_remote_lock: bool = False,
+) -> dict[str, float]:
+  local = _local(workdir, mirror)
+  held = workdir_lib.lock(local) if jax.process_index() == 0 else contextlib.nullcontext()
+  # A run refused at start-up leaves no empty workdir; a remote one's lock object goes last.
+  with workdir_lib.prepared(local), held, _remote_workdir(mirror, take_remote_lock):
     program = program_lib.build(config)
     try:
-      last = _training(config, workdir, program, defaults)
+      last = _training(config, local, program, defaults, mirror)
     finally:
       program.close()
+    if mirror is not None and program.processes.is_main:
+      mirror.push()  # the logs and figures of the end, the HF export
   if program.processes.is_main:
-    _print(outputs(workdir))
+    _print(outputs(local))
+    if mirror is not None:
+      _print(f"copied to {mirror.remote}")
   return last
 
 
@@ -283,12 +380,18 @@ def _train(config: AnyConfig, workdir: str, program: Program, defaults=None) -> 
 
 
 def _training(
-  config: TrainConfig, workdir: str, program: Program, defaults=None
+  config: TrainConfig,
+  workdir: str,
+  program: Program,
+  defaults=None,
+  mirror: remote.Mirror | None = None,
 ) -> dict[str, float]:
   """Restores the workdir's latest checkpoint (if any), runs `loop.run` with the writers of
-  process 0, and exports the policy (`save_hf`)."""
+  process 0, and exports the policy (`save_hf`). `mirror` copies the workdir to its remote after
+  each completed checkpoint (process 0)."""
   train_ids = program.spec.task_ids("train")
-  checkpointer = _checkpoints(config, workdir, defaults)
+  on_saved = None if mirror is None else (lambda iteration: mirror.push())
+  checkpointer = _checkpoints(config, workdir, defaults, on_saved=on_saved)
   state = program.init_state()
   rng = _replicated_key(config.seed, program.mesh)
   iteration, position, pending = 0, 0, None
