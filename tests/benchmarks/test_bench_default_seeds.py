@@ -72,17 +72,12 @@ def test_bad_flags_are_one_line_errors():
 
 @pytest.mark.slow
 def test_the_command_runs_each_seed_and_reports_from_its_metrics(tmp_path):
-  # The shapes of tests/training/test_train.py's short runs: their programs come from the
-  # compilation cache the test session shares (tests/conftest.py).
   tiny = [
     "--config.num_iterations=2",
-    "--config.env.num_dials=2",
-    "--config.rollout.max_turns=2",
-    "--config.rollout.tasks_per_iteration=4",
-    "--config.rollout.samples_per_task=4",
-    "--config.rollout.max_context_tokens=128",
+    "--config.rollout.tasks_per_iteration=2",
+    "--config.rollout.samples_per_task=2",
     "--config.eval.every=1",
-    "--config.eval.num_tasks=4",
+    "--config.eval.num_tasks=2",
     "--config.log.plot=False",
     "--config.log.tensorboard=False",
   ]
