@@ -342,3 +342,30 @@ def test_bench_bfcl_times_our_environment_against_the_bare_official_path():
   ]
   assert needed == [8, 8, 10, 4, 6, 8, 10, 6]
   assert rows[0]["within_max_turns"] == 3 / 8  # 4, 6 and 6 fit in --max-turns 6
+
+
+@pytest.mark.slow
+def test_bench_async_times_each_lag_side_by_side(tmp_path):
+  """bench_async.py trains lag 0 and 1 on one built program; the report's ratios are per round,
+  and lag 1's runs sample one batch ahead (their metrics say so)."""
+  out = tmp_path / "async.json"
+  env = processes.env()
+  done = subprocess.run(
+    [sys.executable, str(REPO / "benchmarks" / "bench_async.py")]
+    + ["--scenarios=tools", "--lags=0,1", "--tasks=2", "--samples=2", "--num-dials=1"]
+    + ["--iterations=2", "--warmup=1", "--rounds=2", f"--json={out}"],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  (result,) = json.loads(out.read_text())
+  assert result["scenario"] == "tools" and sorted(result["lags"]) == ["0", "1"]
+  base, ahead = result["lags"]["0"], result["lags"]["1"]
+  assert base["speedup_per_round"] == [1.0, 1.0]
+  assert len(ahead["speedup_per_round"]) == 2 and ahead["speedup"] > 0
+  assert (base["lag_trained"], ahead["lag_trained"]) == (0, 1)
+  for x in (base, ahead):
+    assert x["iterations_per_hour"] > 0 and x["rollout_s"] > 0.0  # the tools' latency included
+  assert "| tools | 1 |" in done.stdout

@@ -1,0 +1,170 @@
+"""Iterations per hour with the rollout sampled ahead of the update (`pipeline.lag` k = 1, 2)
+against the synchronous program (k = 0), side by side in one run.
+
+Each scenario builds one training program (`trainer.build`, the synthetic config with the sizes
+and environment latency of the flags) and trains it with each lag in turn, in the order
+0, 1, 2, then 2, 1, 0 in the next round, so machine noise hits every lag alike. A run is
+`trainer._train`, the loop `experiments/run.py` runs: `--warmup` iterations (compilation), then
+`--iterations` timed ones. Reported per lag: iterations per hour over the timed iterations
+(3600 / mean `time/iteration`), the medians of `time/rollout` (sampling the next batch) and
+`time/update` (from the update's dispatch to its metrics: with a lag, the sampling it overlaps
+included), and the speed-up over k = 0 (the ratio of iterations per hour, each round's own and
+their median).
+
+Scenarios (environment latency per step, `env.latency_ms` / `env.latency_p99_ms`):
+  instant     no latency: the overlap is the sampler's device work and host work with the update's
+  tools       median 30 ms, p99 300 ms per step: a tool call's heavy tail
+  default     the synthetic config's own sizes (B = 32, n = 8, 3 dials), no latency
+
+    python benchmarks/bench_async.py                                  # instant and tools
+    python benchmarks/bench_async.py --scenarios=default --iterations=6 --rounds=2
+    python benchmarks/bench_async.py --tasks 4 --samples 2 --iterations 2 --rounds 1 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+from experiments.configs import synthetic as synthetic_config  # noqa: E402
+from seeupo_jax.training import metrics_log, trainer  # noqa: E402
+
+SCENARIOS = {  # name: (latency_ms, latency_p99_ms, use the config's own sizes)
+  "instant": (0.0, 0.0, False),
+  "tools": (30.0, 300.0, False),
+  "default": (0.0, 0.0, True),
+}
+
+
+def make_config(args, scenario: str, lag: int, iterations: int):
+  """The synthetic config of `scenario`, with `lag` and the benchmark's sizes; no evaluation but
+  the last, no logs but metrics.jsonl, checkpoints only at the end."""
+  latency, p99, own_sizes = SCENARIOS[scenario]
+  c = synthetic_config.get_config()
+  if not own_sizes:
+    c.rollout.tasks_per_iteration = args.tasks
+    c.rollout.samples_per_task = args.samples
+    c.env.num_dials = args.num_dials
+  c.env.latency_ms = latency
+  c.env.latency_p99_ms = p99
+  c.pipeline.lag = lag
+  c.num_iterations = iterations
+  c.eval.every = 0
+  c.eval.num_tasks = 4
+  c.eval.k = 1
+  c.checkpoint.every = 1_000_000
+  c.log.progress_bar = False
+  c.log.plot = False
+  c.log.tensorboard = False
+  c.log.trajectories = 0
+  return c
+
+
+def run_lag(args, program, scenario: str, lag: int) -> dict:
+  """One training run of `warmup + iterations` iterations at `lag`; its timed iterations."""
+  total = args.warmup + args.iterations
+  with tempfile.TemporaryDirectory(prefix="bench_async_") as workdir:
+    trainer._train(make_config(args, scenario, lag, total), workdir, program)
+    records = metrics_log.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  timed = records[args.warmup :]
+  seconds = [r["time/iteration"] for r in timed]
+  return {
+    "iterations_per_hour": 3600.0 / statistics.mean(seconds),
+    "rollout_s": statistics.median(r["time/rollout"] for r in timed),
+    "update_s": statistics.median(r["time/update"] for r in timed),
+    "iteration_s": statistics.median(seconds),
+    "lag_trained": max(int(r.get("pipeline/lag", 0)) for r in timed),  # the schedule's own word
+  }
+
+
+def run_scenario(args, scenario: str) -> dict:
+  program = trainer.build(make_config(args, scenario, 0, 1))
+  rounds = []
+  try:
+    for r in range(args.rounds):
+      order = args.lags if r % 2 == 0 else list(reversed(args.lags))
+      rounds.append({lag: run_lag(args, program, scenario, lag) for lag in order})
+  finally:
+    program.close()
+  out = {"scenario": scenario, "lags": {}}
+  base = args.lags[0]
+  for lag in args.lags:
+    per_round = [rnd[lag] for rnd in rounds]
+    speedups = [
+      rnd[lag]["iterations_per_hour"] / rnd[base]["iterations_per_hour"] for rnd in rounds
+    ]
+    out["lags"][lag] = {
+      "iterations_per_hour": statistics.median(x["iterations_per_hour"] for x in per_round),
+      "rollout_s": statistics.median(x["rollout_s"] for x in per_round),
+      "update_s": statistics.median(x["update_s"] for x in per_round),
+      "iteration_s": statistics.median(x["iteration_s"] for x in per_round),
+      "lag_trained": max(x["lag_trained"] for x in per_round),
+      "speedup": statistics.median(speedups),
+      "speedup_per_round": speedups,
+    }
+  return out
+
+
+def markdown_table(results: list[dict], base: int) -> str:
+  lines = [
+    f"| scenario | lag | iterations / hour | median rollout s | median update s | "
+    f"median iteration s | speed-up over lag {base} (per round) |",
+    "|---|---:|---:|---:|---:|---:|---|",
+  ]
+  for result in results:
+    for lag, x in result["lags"].items():
+      rounds = ", ".join(f"{s:.2f}" for s in x["speedup_per_round"])
+      lines.append(
+        f"| {result['scenario']} | {lag} | {x['iterations_per_hour']:.0f} | {x['rollout_s']:.3f} | "
+        f"{x['update_s']:.3f} | {x['iteration_s']:.3f} | {x['speedup']:.2f}x ({rounds}) |"
+      )
+  return "\n".join(lines)
+
+
+def parse_args(argv=None):
+  defaults = synthetic_config.get_config()
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--scenarios", default="instant,tools")
+  parser.add_argument("--lags", default="0,1,2", help="the first is the baseline of the ratios")
+  parser.add_argument("--tasks", type=int, default=8, help="B (not in the default scenario)")
+  parser.add_argument("--samples", type=int, default=defaults.rollout.samples_per_task, help="n")
+  parser.add_argument("--num-dials", type=int, default=defaults.env.num_dials, help="turns")
+  parser.add_argument("--iterations", type=int, default=8, help="timed iterations per run")
+  parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per run")
+  parser.add_argument("--rounds", type=int, default=2)
+  parser.add_argument("--json", default=None, help="also write the result to this file")
+  args = parser.parse_args(argv)
+  names = args.scenarios.split(",")
+  for name in names:
+    if name not in SCENARIOS:
+      parser.error(f"--scenarios: {name!r}; allowed: {sorted(SCENARIOS)}")
+  args.scenarios = names
+  try:
+    args.lags = [int(x) for x in args.lags.split(",")]
+  except ValueError:
+    parser.error(f"--lags: {args.lags!r}; allowed: comma-separated ints in [0, 8]")
+  if args.iterations < 1 or args.rounds < 1 or args.warmup < 1:
+    parser.error("--iterations, --rounds and --warmup must be >= 1")
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  print(f"jax {jax.__version__}, devices {jax.devices()}, {os.cpu_count()} CPUs", flush=True)
+  results = [run_scenario(args, name) for name in args.scenarios]
+  print(markdown_table(results, args.lags[0]))
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
