@@ -6,6 +6,7 @@ config keys' errors."""
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -208,17 +209,20 @@ def test_staleness_table_on_hand_made_cells(tmp_path):
   for axis in grid.LAG_AXES:
     for value in (0, 1):
       final = np.array(finals.get((axis.name, value), [0.5, 0.6, 0.7]))
-      curves = np.stack([np.full(3, 0.25), final], 1)
+      start = 0.65 if (axis.name, value) == ("lag", 0) else 0.25  # 0.65 -> 0.5, 0.6: 2 drops
+      curves = np.stack([np.full(3, start), final], 1)
       cell = {("seeupo", "trap"): (3.0 if axis is plain else 1.0, curves)}
       path = grid._cell_path(str(tmp_path), axis, value, "tabular")  # pylint: disable=protected-access
       grid._save_cell(path, cell, grid.cell_config(base, axis, value, "tabular"))  # pylint: disable=protected-access
   table = grid.staleness_table(base, str(tmp_path))
   lines = table.splitlines()
-  assert lines[0].startswith("| family | algorithm | lag 0: no TIS (lr) |")
+  assert lines[0].startswith("| family | algorithm | lag 0: no TIS | lag 0: TIS |")
   assert "lag 2" not in table  # not run
   ci = 1.96 * np.std([0.9, 0.8, 0.7], ddof=1) / np.sqrt(3)
-  assert lines[2].startswith("| trap | seeupo | 0.6000 ± ")
-  assert f"| 0.8000 ± {ci:.4f} (3) | 0.9000 ± " in lines[2]
+  assert lines[2].startswith(
+    f"| trap | seeupo | 0.6000 ± {1.96 * 0.1 / np.sqrt(3):.4f} (lr 3, drops 66.7%) |"
+  )
+  assert f"| 0.8000 ± {ci:.4f} (lr 3, drops 0.0%) | 0.9000 ± " in lines[2]
   assert lines[2].endswith(f"| +0.1000 ± {1.96 * 0.1 / np.sqrt(3):.4f} (=) |")
 
 
@@ -241,3 +245,18 @@ def test_lag_and_tis_keys_name_their_allowed_values():
     config, bandit_lib.enumerate_bandit(3, 2, 4), algorithms.get_algorithm("grpo")
   )
   assert (lconfig.tis, lconfig.tis_cap) == ("sequence", 1.5)
+
+
+def test_a_cell_stored_without_the_lag_keys_reads_as_lag_zero(tmp_path):
+  base = sweep.default_config()
+  older = ml_collections.ConfigDict(
+    {k: v for k, v in base.to_dict().items() if k not in ("lag", "tis", "tis_cap")}
+  )
+  curves = {("seeupo", "trap"): (1.0, np.array([[0.5, 0.75], [0.5, 1.0]]))}
+  path = str(tmp_path / "cells" / "cell.npz")
+  grid._save_cell(path, curves, older)  # pylint: disable=protected-access
+  got = grid._load_cell(path, base)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(got[("seeupo", "trap")][1], curves[("seeupo", "trap")][1])
+  base.lag = 1
+  with pytest.raises(ValueError, match=r"another config \(keys lag\)"):
+    grid._load_cell(path, base)  # pylint: disable=protected-access
