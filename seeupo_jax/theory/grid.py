@@ -409,12 +409,14 @@ def plot_axis(path: str, rows: Sequence[Row], axis: str) -> None:
 def staleness_table(base: ml_collections.ConfigDict, workdir: str, policy: str = "tabular") -> str:
   """The `LAG_AXES` cells side by side: final J / J*_class at each lag, without and with TIS.
 
-  One line per (family, algorithm), one column group per lag k: the mean over runs +- its 95%
-  interval without TIS (`lag` axis) and with it (`lag_tis`), each at its own best learning
-  rate (with the share of iterations where the exact J dropped, `report.Summary.violation_share`),
-  and the paired gap with minus without (`paired_difference` over seeds: seed s is the
-  same instance and the same sampling keys in both), "+" where TIS is significantly better.
-  Cells not run yet are left out.
+  One line per (family, algorithm, lag k): without TIS (`lag` axis) and with it (`lag_tis`),
+  each at its own best learning rate, the mean final J / J*_class over runs +- its 95% interval,
+  the rate and the share of iterations where the exact J dropped
+  (`report.Summary.violation_share`); then two paired gaps (`paired_difference` over seeds:
+  seed s is the same instance and the same sampling keys in every cell), TIS minus no TIS at
+  lag k, and no TIS at lag k minus no TIS at lag 0 (what the staleness costs), each with "+",
+  "-" or "=" (significantly positive, negative, or an interval that contains 0). Lags whose
+  two cells are not both run are left out.
 
   Args:
     base: the grid's base config (as given to `run_grid`).
@@ -429,28 +431,42 @@ def staleness_table(base: ml_collections.ConfigDict, workdir: str, policy: str =
       if os.path.exists(path):
         cells[(axis.name, value)] = _load_cell(path, cell_config(base, axis, value, policy))
   lags = [v for v in plain.values if (plain.name, v) in cells and (weighted.name, v) in cells]
-  header = ["family", "algorithm"]
-  for k in lags:
-    header += [f"lag {k}: no TIS", f"lag {k}: TIS", f"lag {k}: TIS - no TIS"]
+  header = (
+    "family",
+    "algorithm",
+    "lag",
+    "no TIS: final J/J*c (95% CI)",
+    "lr",
+    "J drops",
+    "TIS: final J/J*c (95% CI)",
+    "lr",
+    "J drops",
+    "TIS - no TIS (95% CI)",
+    "no TIS: lag k - lag 0 (95% CI)",
+  )
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   if not lags:
     return "\n".join(lines)
   names = list(cells[(plain.name, lags[0])])  # (algorithm, family), the sweep's order
   for algorithm, family in sorted(names, key=lambda n: (_FAMILY_ORDER.get(n[1], 9), n[0])):
-    entries = [family, algorithm]
+    reference = cells[(plain.name, lags[0])][(algorithm, family)][1][:, -1]
     for k in lags:
-      (lr0, c0), (lr1, c1) = (
-        cells[(plain.name, k)][(algorithm, family)],
-        cells[(weighted.name, k)][(algorithm, family)],
-      )
+      lr0, c0 = cells[(plain.name, k)][(algorithm, family)]
+      lr1, c1 = cells[(weighted.name, k)][(algorithm, family)]
       s0, s1 = report.summarise(c0), report.summarise(c1)
-      gap = paired_difference(c1[:, -1], c0[:, -1])
-      entries += [
-        f"{s0.final_mean:.4f} ± {s0.final_ci:.4f} (lr {lr0:g}, drops {s0.violation_share:.1%})",
-        f"{s1.final_mean:.4f} ± {s1.final_ci:.4f} (lr {lr1:g}, drops {s1.violation_share:.1%})",
-        f"{gap.mean:+.4f} ± {gap.ci:.4f} ({gap.verdict})",
-      ]
-    lines.append("| " + " | ".join(entries) + " |")
+      entries = [family, algorithm, str(k)]
+      for summary, lr in ((s0, lr0), (s1, lr1)):
+        entries += [
+          f"{summary.final_mean:.4f} ± {summary.final_ci:.4f}",
+          f"{lr:g}",
+          f"{summary.violation_share:.1%}",
+        ]
+      for gap in (
+        paired_difference(c1[:, -1], c0[:, -1]),
+        paired_difference(c0[:, -1], reference),
+      ):
+        entries.append(f"{gap.mean:+.4f} ± {gap.ci:.4f} ({gap.verdict})")
+      lines.append("| " + " | ".join(entries) + " |")
   return "\n".join(lines)
 
 

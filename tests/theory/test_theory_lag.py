@@ -216,14 +216,20 @@ def test_staleness_table_on_hand_made_cells(tmp_path):
       grid._save_cell(path, cell, grid.cell_config(base, axis, value, "tabular"))  # pylint: disable=protected-access
   table = grid.staleness_table(base, str(tmp_path))
   lines = table.splitlines()
-  assert lines[0].startswith("| family | algorithm | lag 0: no TIS | lag 0: TIS |")
-  assert "lag 2" not in table  # not run
-  ci = 1.96 * np.std([0.9, 0.8, 0.7], ddof=1) / np.sqrt(3)
-  assert lines[2].startswith(
-    f"| trap | seeupo | 0.6000 ± {1.96 * 0.1 / np.sqrt(3):.4f} (lr 3, drops 66.7%) |"
+  assert lines[0].startswith("| family | algorithm | lag | no TIS: final J/J*c (95% CI) | lr |")
+  assert len(lines) == 4  # header, rule, lag 0, lag 1 (lag 2 not run)
+  half = 1.96 * 0.1 / np.sqrt(3)  # every final column here has sd 0.1
+  # Lag 0: 0.65 -> [0.5, 0.6, 0.7]: 2 of 3 iterations drop; with TIS [0.5, 0.6, 0.7] from 0.25.
+  assert lines[2] == (
+    f"| trap | seeupo | 0 | 0.6000 ± {half:.4f} | 3 | 66.7% | 0.6000 ± {half:.4f} | 1 | 0.0% | "
+    "+0.0000 ± 0.0000 (=) | +0.0000 ± 0.0000 (=) |"
   )
-  assert f"| 0.8000 ± {ci:.4f} (lr 3, drops 0.0%) | 0.9000 ± " in lines[2]
-  assert lines[2].endswith(f"| +0.1000 ± {1.96 * 0.1 / np.sqrt(3):.4f} (=) |")
+  # Lag 1: TIS - no TIS = [0.1, 0, 0.2] (mean 0.1, sd 0.1: "="); no TIS at lag 1 - lag 0 =
+  # [0.4, 0.2, 0]: mean 0.2, sd 0.2, half width 1.96 * 0.2 / sqrt(3) = 0.2263 ("=").
+  assert lines[3] == (
+    f"| trap | seeupo | 1 | 0.8000 ± {half:.4f} | 3 | 0.0% | 0.9000 ± {half:.4f} | 1 | 0.0% | "
+    f"+0.1000 ± {half:.4f} (=) | +0.2000 ± {2 * half:.4f} (=) |"
+  )
 
 
 def test_lag_and_tis_keys_name_their_allowed_values():
