@@ -69,7 +69,10 @@ def main(_):
     ("table.md", grid.full_table(rows)),
   )
   if {a.name for a in grid.LAG_AXES} <= set(names):
-    staleness = grid.staleness_table(base, _WORKDIR.value)
+    staleness = "\n\n".join(
+      f"{policy} policy:\n\n" + grid.staleness_table(base, _WORKDIR.value, policy)
+      for policy in grid.LAG_AXES[0].policies
+    )
     print("Final J / J*_class with stale samples, without and with TIS:\n")
     print(staleness)
     outputs += (("staleness.md", staleness),)

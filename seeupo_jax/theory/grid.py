@@ -96,8 +96,8 @@ DEFAULT_AXES: tuple[Axis, ...] = (
 _LAG_OVERRIDES = {"families": "random,trap,decoy", "algorithms": "seeupo,grpo"}
 
 LAG_AXES: tuple[Axis, ...] = (
-  Axis("lag", "lag", (0, 1, 2, 4, 8), ("tabular",), dict(_LAG_OVERRIDES, tis="off")),
-  Axis("lag_tis", "lag", (0, 1, 2, 4, 8), ("tabular",), dict(_LAG_OVERRIDES, tis="token")),
+  Axis("lag", "lag", (0, 1, 2, 4, 8), ("tabular", "shared"), dict(_LAG_OVERRIDES, tis="off")),
+  Axis("lag_tis", "lag", (0, 1, 2, 4, 8), ("tabular", "shared"), dict(_LAG_OVERRIDES, tis="token")),
 )
 """Stale samples (docs/theory.md, "Stale samples"): iteration i samples with the params of
 iteration i - 1 - lag; `lag` updates them as they are (the naive stale update), `lag_tis` weighs
