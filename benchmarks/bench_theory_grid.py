@@ -3,6 +3,7 @@ r"""Where the paper's claims bite: the bandit comparison over horizon, actions, 
     python benchmarks/bench_theory_grid.py --workdir=/tmp/theory_grid
     python benchmarks/bench_theory_grid.py --workdir=/tmp/theory_grid --axes=scale --num_seeds=16
     python benchmarks/bench_theory_grid.py --workdir=/tmp/theory_grid --plot_only
+    python benchmarks/bench_theory_grid.py --workdir=/tmp/theory_lag --axes=lag,lag_tis --num_seeds=32
 
 Runs `seeupo_jax.theory.grid.DEFAULT_AXES` (docs/theory.md, "Where the claims bite"): every
 cell is a `--config=bandit` sweep (all its algorithms and families over the learning-rate grid,
@@ -12,7 +13,9 @@ another config (e.g. other `--num_seeds`) is refused in one line (exit 2). Write
 SeeUPO's final J / J*_class minus each other algorithm's, paired over seeds, with "+", "-" or "="
 for SeeUPO significantly better, worse, or not distinguishable at 95%), `regions_drops.md` (the
 same for the share of iterations where the exact J dropped: the other's minus SeeUPO's),
-`WORKDIR/table.md` (every row) and `WORKDIR/grid_<axis>.png`.
+`WORKDIR/table.md` (every row) and `WORKDIR/grid_<axis>.png`. With the axes `lag` and `lag_tis`
+(`grid.LAG_AXES`, not in the default grid: stale samples without and with TIS) it also writes
+`WORKDIR/staleness.md` (`grid.staleness_table`).
 """
 
 import os
@@ -40,7 +43,7 @@ _PLOT_ONLY = flags.DEFINE_bool("plot_only", False, "Only read finished cells.")
 
 
 def main(_):
-  by_name = {a.name: a for a in grid.DEFAULT_AXES}
+  by_name = grid.AXES
   names = [n.strip() for n in _AXES.value.split(",") if n.strip()]
   unknown = [n for n in names if n not in by_name]
   if unknown:
@@ -65,6 +68,14 @@ def main(_):
     ("regions_drops.md", drops),
     ("table.md", grid.full_table(rows)),
   )
+  if {a.name for a in grid.LAG_AXES} <= set(names):
+    staleness = "\n\n".join(
+      f"{policy} policy:\n\n" + grid.staleness_table(base, _WORKDIR.value, policy)
+      for policy in grid.LAG_AXES[0].policies
+    )
+    print("Final J / J*_class with stale samples, without and with TIS:\n")
+    print(staleness)
+    outputs += (("staleness.md", staleness),)
   for name, text in outputs:
     with open(os.path.join(_WORKDIR.value, name), "w", encoding="utf-8") as f:
       f.write(text + "\n")

@@ -16,7 +16,15 @@ returns log pi(a_t | s_t) at column 1 + t (0 at column 0). PPO's critic is a
 table V(state) read the same way (`value_fn`).
 
 Each loop iteration samples n rollouts per context with the current policy,
-calls the learner's update once, and records the exact J. The learning rate
+calls the learner's update once, and records the exact J. With `lag` k >= 1
+(asynchronous training) iteration i (1-based) samples with the params of
+iteration max(0, i - 1 - k), kept in a ring of the last k + 1 params in the
+scan carry (`ring_start`, `ring_read`, `ring_write`), and the update starts
+from the current params: the ratios' and clips' "old" policy is the current
+(proximal) one, and the batch's `sample_logp` are the behaviour policy's.
+With `tis` on, the learner weighs each turn's policy loss by
+w = min(pi_prox / pi_behav, tis_cap) (`LearnerConfig.tis`); off, the behaviour
+policy is ignored (the naive stale update). The learning rate
 is a traced value (`optax.inject_hyperparams(optax.sgd)`, set in the
 optimizer state), so one optimizer state lives across iterations and the
 whole run vmaps over seeds and learning rates.
@@ -29,6 +37,12 @@ whole run vmaps over seeds and learning rates.
 | grpo, gspo | "grpo" / "gspo" (group std) |
 | reinforce, rloo | "reinforce" / "rloo", 1 epoch x 1 mini-batch |
 | ppo | "ppo": GAE from a tabular critic with its own SGD (rate `critic_lr`), whitened, no clamp |
+
+Every algorithm takes `lag` and `tis`; each bandit turn is one token, so the
+token-level weight of turn t is w_t = min(pi_prox(a_t | s_t) / pi_behav(a_t | s_t), C),
+and the sequence level ("sequence") is the same for SeeUPO (one segment per
+turn) and the geometric mean over the T turns of the row for the others. PPO's
+critic loss is not weighted (the learner weighs the policy loss only).
 
 Discounting: the reward comes after turn T, so turn t's return is
 gamma^(T-1-t) r (0-based t); the learner's `gamma` scales the critic-free
@@ -245,7 +259,8 @@ def learner_config(
   """The `learner.LearnerConfig` of one bandit algorithm.
 
   Reads `epochs_per_turn`, `minibatches_per_turn` (REINFORCE/RLOO: 1 x 1,
-  on-policy), `clip_eps`, `correction_clip`, `gamma`, `gae_lambda`. No KL
+  on-policy), `clip_eps`, `correction_clip`, `gamma`, `gae_lambda`, `tis`,
+  `tis_cap` (the sampler-mismatch weight, `LearnerConfig.tis`). No KL
   penalty (the bandits have no reference policy); PPO's critic loss is
   unclipped and its whitened advantages are not clamped.
   """
@@ -269,10 +284,47 @@ def learner_config(
     gamma=float(config.gamma),
     gae_lambda=float(config.gae_lambda),
     value_clip=None,
+    tis=str(config.tis),
+    tis_cap=float(config.tis_cap),
     # The bandits' log-prob function reads whole rows (one position per turn, not a causal LM
     # over a prefix): every turn's passes run on the full batch.
     turn_buckets=1,
   )
+
+
+def ring_start(params: chex.ArrayTree, lag: int) -> chex.ArrayTree:
+  """The ring of the last lag + 1 params before the first iteration: every slot holds `params`.
+
+  Args:
+    params: the initial params theta_0 (any pytree of arrays).
+    lag: k >= 0.
+
+  Returns:
+    The pytree with a leading axis of size k + 1 on every leaf, each slot theta_0.
+  """
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (lag + 1,) + x.shape), params)
+
+
+def ring_read(ring: chex.ArrayTree, iteration: chex.Array) -> chex.ArrayTree:
+  """The behaviour params of 0-based iteration j: slot j mod (k + 1).
+
+  With `ring_write` after each iteration, that slot was last written at
+  iteration j - (k + 1) with theta_{j - k} (theta_m: the params after m
+  iterations), or holds theta_0: so it is theta_{max(0, j - k)}, the params of
+  1-based iteration max(0, i - 1 - k) for i = j + 1.
+
+  Args:
+    ring: the ring (leading axis k + 1).
+    iteration: int32 scalar j >= 0 (may be traced).
+  """
+  size = jax.tree.leaves(ring)[0].shape[0]
+  return jax.tree.map(lambda x: x[iteration % size], ring)
+
+
+def ring_write(ring: chex.ArrayTree, iteration: chex.Array, params: chex.ArrayTree):
+  """The ring with slot j mod (k + 1) set to `params` (theta_{j + 1}, after iteration j)."""
+  size = jax.tree.leaves(ring)[0].shape[0]
+  return jax.tree.map(lambda r, p: r.at[iteration % size].set(p), ring, params)
 
 
 def _set_learning_rate(opt_state, lr: chex.Array):
@@ -293,7 +345,8 @@ def make_train_fn(
   Args:
     config: hyper-parameters; reads `num_iterations` (I), `group_size` (n),
       `epochs_per_turn` (E), `minibatches_per_turn` (MB), `clip_eps`,
-      `correction_clip`, `gamma`, `gae_lambda`, `critic_lr`.
+      `correction_clip`, `gamma`, `gae_lambda`, `critic_lr`, `lag` (k: iteration
+      i samples with the params of iteration max(0, i - 1 - k)), `tis`, `tis_cap`.
     enum: tables of the (X, K, T) bandit.
     policy: the policy class.
     spec: the algorithm.
@@ -306,7 +359,7 @@ def make_train_fn(
     TrainOutput; jit and vmap it freely. The policy's optimizer runs at rate
     lr, PPO's critic takes SGD steps at rate `critic_lr` (its own optimizer).
   """
-  n = int(config.group_size)
+  n, lag = int(config.group_size), int(config.lag)
   _check(config, spec, enum.num_contexts * n)
   lconfig = learner_config(config, enum, spec)
   optimizer = optax.inject_hyperparams(optimizer)(learning_rate=1.0)
@@ -347,10 +400,25 @@ def make_train_fn(
       state, metrics = update(state, rollout_batch(rollouts, log_pi), key_update)
       return state, (_exact_return(state.params), metrics["clip_fraction"])
 
+    def _lagged_iteration(carry, xs):
+      """Samples with the ring's theta_{max(0, j - k)}, updates the current params."""
+      state, ring = carry
+      iter_key, iteration = xs
+      key_sample, key_update = jax.random.split(iter_key)
+      behaviour = policies_lib.log_policy(policy, ring_read(ring, iteration))
+      rollouts = bandit_lib.sample_rollouts(key_sample, bandit, enum, behaviour, n)
+      state, metrics = update(state, rollout_batch(rollouts, behaviour), key_update)
+      ring = ring_write(ring, iteration, state.params)
+      return (state, ring), (_exact_return(state.params), metrics["clip_fraction"])
+
     state = _initial_state(lr)
-    _, (returns, clip_fraction) = jax.lax.scan(
-      _iteration, state, jax.random.split(key, int(config.num_iterations))
-    )
+    keys = jax.random.split(key, int(config.num_iterations))
+    if lag == 0:  # on-policy: sampled with the current params, no ring in the carry
+      _, (returns, clip_fraction) = jax.lax.scan(_iteration, state, keys)
+    else:
+      iterations = jnp.arange(int(config.num_iterations), dtype=jnp.int32)
+      carry = (state, ring_start(state.params, lag))
+      _, (returns, clip_fraction) = jax.lax.scan(_lagged_iteration, carry, (keys, iterations))
     returns = jnp.concatenate([_exact_return(state.params)[None], returns])
     return TrainOutput(returns, clip_fraction)
 

@@ -93,12 +93,27 @@ DEFAULT_AXES: tuple[Axis, ...] = (
 )
 """The grid of `benchmarks/bench_theory_grid.py` (docs/theory.md, "Where the claims bite")."""
 
+_LAG_OVERRIDES = {"families": "random,trap,decoy", "algorithms": "seeupo,grpo"}
+
+LAG_AXES: tuple[Axis, ...] = (
+  Axis("lag", "lag", (0, 1, 2, 4, 8), ("tabular", "shared"), dict(_LAG_OVERRIDES, tis="off")),
+  Axis("lag_tis", "lag", (0, 1, 2, 4, 8), ("tabular", "shared"), dict(_LAG_OVERRIDES, tis="token")),
+)
+"""Stale samples (docs/theory.md, "Stale samples"): iteration i samples with the params of
+iteration i - 1 - lag; `lag` updates them as they are (the naive stale update), `lag_tis` weighs
+each turn's policy loss by min(pi_prox / pi_behav, tis_cap)."""
+
+AXES: dict[str, Axis] = {a.name: a for a in DEFAULT_AXES + LAG_AXES}
+"""Every axis `benchmarks/bench_theory_grid.py --axes` knows, by name."""
+
 
 LABELS = {
   "horizon": "turns T",
   "actions": "actions K",
   "density": "share of trajectories that pay (density)",
   "scale": "orders of magnitude between context scales",
+  "lag": "lag k (iterations between sampling and update), no TIS",
+  "lag_tis": "lag k (iterations between sampling and update), TIS",
 }
 """The x-axis label of each default axis in `plot_axis`."""
 
@@ -214,9 +229,15 @@ def _save_cell(path: str, curves, config: ml_collections.ConfigDict) -> None:
 
 
 def _load_cell(path: str, config: ml_collections.ConfigDict):
-  """The cell's curves; an error if it was run with another config than `config`."""
+  """The cell's curves; an error if it was run with another config than `config`.
+
+  A key the stored config lacks counts as its default (`sweep.default_config`): a key's default
+  is the program the cell ran before the key existed (e.g. `lag` 0).
+  """
   with np.load(path) as data:
     stored = json.loads(str(data[_CONFIG])) if _CONFIG in data.files else None
+    if stored is not None:  # a key added to the config since: the cell ran with its default
+      stored = {**sweep.default_config().to_dict(), **stored}
     wanted = json.loads(config.to_json(sort_keys=True))
     if stored != wanted:
       differ = sorted(
@@ -383,3 +404,70 @@ def plot_axis(path: str, rows: Sequence[Row], axis: str) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
+
+
+def staleness_table(base: ml_collections.ConfigDict, workdir: str, policy: str = "tabular") -> str:
+  """The `LAG_AXES` cells side by side: final J / J*_class at each lag, without and with TIS.
+
+  One line per (family, algorithm, lag k): without TIS (`lag` axis) and with it (`lag_tis`),
+  each at its own best learning rate, the mean final J / J*_class over runs +- its 95% interval,
+  the rate and the share of iterations where the exact J dropped
+  (`report.Summary.violation_share`); then two paired gaps (`paired_difference` over seeds:
+  seed s is the same instance and the same sampling keys in every cell), TIS minus no TIS at
+  lag k, and no TIS at lag k minus no TIS at lag 0 (what the staleness costs), each with "+",
+  "-" or "=" (significantly positive, negative, or an interval that contains 0). Lags whose
+  two cells are not both run are left out.
+
+  Args:
+    base: the grid's base config (as given to `run_grid`).
+    workdir: the grid's folder.
+    policy: the policy class of the cells.
+  """
+  plain, weighted = LAG_AXES
+  cells = {}
+  for axis in LAG_AXES:
+    for value in axis.values:
+      path = _cell_path(workdir, axis, value, policy)
+      if os.path.exists(path):
+        cells[(axis.name, value)] = _load_cell(path, cell_config(base, axis, value, policy))
+  lags = [v for v in plain.values if (plain.name, v) in cells and (weighted.name, v) in cells]
+  header = (
+    "family",
+    "algorithm",
+    "lag",
+    "no TIS: final J/J*c (95% CI)",
+    "lr",
+    "J drops",
+    "TIS: final J/J*c (95% CI)",
+    "lr",
+    "J drops",
+    "TIS - no TIS (95% CI)",
+    "no TIS: lag k - lag 0 (95% CI)",
+  )
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  if not lags:
+    return "\n".join(lines)
+  names = list(cells[(plain.name, lags[0])])  # (algorithm, family), the sweep's order
+  for algorithm, family in sorted(names, key=lambda n: (_FAMILY_ORDER.get(n[1], 9), n[0])):
+    reference = cells[(plain.name, lags[0])][(algorithm, family)][1][:, -1]
+    for k in lags:
+      lr0, c0 = cells[(plain.name, k)][(algorithm, family)]
+      lr1, c1 = cells[(weighted.name, k)][(algorithm, family)]
+      s0, s1 = report.summarise(c0), report.summarise(c1)
+      entries = [family, algorithm, str(k)]
+      for summary, lr in ((s0, lr0), (s1, lr1)):
+        entries += [
+          f"{summary.final_mean:.4f} ± {summary.final_ci:.4f}",
+          f"{lr:g}",
+          f"{summary.violation_share:.1%}",
+        ]
+      for gap in (
+        paired_difference(c1[:, -1], c0[:, -1]),
+        paired_difference(c0[:, -1], reference),
+      ):
+        entries.append(f"{gap.mean:+.4f} ± {gap.ci:.4f} ({gap.verdict})")
+      lines.append("| " + " | ".join(entries) + " |")
+  return "\n".join(lines)
+
+
+_FAMILY_ORDER = {"random": 0, "trap": 1, "decoy": 2}

@@ -22,6 +22,7 @@ import ml_collections
 import numpy as np
 
 from seeupo_jax import fields
+from seeupo_jax.learner.config import TIS_LEVELS
 from seeupo_jax.theory import algorithms
 from seeupo_jax.theory import bandit as bandit_lib
 from seeupo_jax.theory import instances
@@ -42,7 +43,9 @@ class BanditConfig:
   budget, I * X * n rollouts, is the same for every algorithm); `epochs_per_turn`,
   `minibatches_per_turn`; `clip_eps` (policy clip), `correction_clip` (SeeUPO's M clip);
   `gamma`, `gae_lambda`, `critic_lr` (PPO's critic); `learning_rates` (the SGD grid,
-  comma-separated; each table row uses the best).
+  comma-separated; each table row uses the best); `lag` k (iteration i samples with the params
+  of iteration max(0, i - 1 - k); 0: on-policy), `tis` and `tis_cap` (the truncated importance
+  weight min(pi_prox / pi_behav, tis_cap) on the policy loss, `LearnerConfig.tis`; "off": none).
   """
 
   program: str = fields.field(fields.one_of(("bandit",)), "bandit")
@@ -69,6 +72,9 @@ class BanditConfig:
   gae_lambda: float = fields.field(fields.number_in(0, 1), 1.0)
   critic_lr: float = fields.field(fields.number_above(0), 1.0)
   learning_rates: str = fields.field(fields.STRING, "0.3,1,3,10")
+  lag: int = fields.field(fields.int_at_least(0), 0)
+  tis: str = fields.field(fields.one_of(TIS_LEVELS), "off")
+  tis_cap: float = fields.field(fields.number_at_least(1), 2.0)
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -254,9 +260,21 @@ def describe(config: ml_collections.ConfigDict) -> str:
     f"{config.minibatches_per_turn} minibatches per turn (per iteration for "
     f"simultaneous updates, 1 x 1 for REINFORCE/RLOO); clip "
     f"{config.clip_eps}, correction clip {config.correction_clip}, gamma "
-    f"{config.gamma}; {config.num_seeds} seeds (seed {config.seed}); SGD, "
+    f"{config.gamma}; {_staleness(config)}{config.num_seeds} seeds (seed {config.seed}); SGD, "
     f"learning-rate grid {grid_text(learning_rates(config))}, best per row."
   )
+
+
+def _staleness(config: ml_collections.ConfigDict) -> str:
+  """ "lag 2 (...), TIS token (cap 2); " or "" for the on-policy program without TIS."""
+  parts = []
+  if int(config.lag):
+    parts.append(
+      f"lag {config.lag} (iteration i samples with the params of iteration i-1-{config.lag})"
+    )
+  if config.tis != "off":
+    parts.append(f"TIS {config.tis} (cap {config.tis_cap:g})")
+  return ", ".join(parts) + "; " if parts else ""
 
 
 def main(config: ml_collections.ConfigDict, workdir: str) -> str:
