@@ -7,8 +7,6 @@ Two processes with a lag: tests/training/test_run_multiprocess.py.
 """
 
 import json
-import os
-import sys
 
 import jax
 import numpy as np
@@ -18,31 +16,21 @@ from seeupo_jax import learner
 from seeupo_jax import rollout
 from seeupo_jax.training import checkpoints, config as config_lib, loop, metrics_log, trainer
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from experiments import configs  # noqa: E402
+import test_preemption_phases as phases
 
 ITERATIONS = 4
 LAG = 2  # two batches in flight: the prologue samples B_1 and B_2 with theta_0
 
 
 def small_config(lag, num_iterations=ITERATIONS):
-  c = configs.get_config("synthetic")
-  c.env.num_dials = 1
-  c.rollout.max_turns = 1
-  c.rollout.tasks_per_iteration = 4
-  c.rollout.samples_per_task = 2
-  c.rollout.max_context_tokens = 128
-  c.rollout.env_workers = 2
+  """test_preemption_phases.py's small run (1 dial, 4 tasks x 2 samples), with `lag`, a
+  checkpoint of every iteration and an evaluation every 2."""
+  c = phases.small_config()
   c.num_iterations = num_iterations
-  c.eval.num_tasks = 4
-  c.eval.k = 1
   c.eval.every = 2  # the stopped run of the resume test ends at 2, with an evaluation
   c.checkpoint.every = 1  # every iteration's params, to check which of them sampled what
-  c.checkpoint.keep = 10
   c.checkpoint.asynchronous = False
-  c.log.progress_bar = False
-  c.log.plot = False
-  c.log.tensorboard = False
+  c.save_hf = False
   c.pipeline.lag = lag
   return c
 
@@ -101,6 +89,15 @@ def _teacher_forced(program, params, trajectories):
   return logp[generated], sampled[generated]
 
 
+def _assert_same_run(program, workdir, whole):
+  """The metrics (but timings), trajectories and final params of `whole`."""
+  assert _timeless(workdir) == _timeless(whole)
+  assert _trajectories(workdir) == _trajectories(whole)
+  a, _ = _restore(program, workdir, ITERATIONS)
+  b, _ = _restore(program, whole, ITERATIONS)
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
 @pytest.mark.slow
 def test_each_batch_is_sampled_with_the_params_lag_iterations_before_its_update(program, whole):
   """Checkpoint i holds B_{i+1} .. B_{i+k}; B_j's recorded log-probs are those of the params of
@@ -140,11 +137,7 @@ def test_the_overlapped_run_equals_its_schedule_run_step_by_step(
   run = loop.run
   monkeypatch.setattr(loop, "run", lambda *a, **kw: run(*a, **kw, overlap=False))
   trainer._train(small_config(lag), str(workdir), program)
-  assert _timeless(workdir) == _timeless(whole)
-  assert _trajectories(workdir) == _trajectories(whole)
-  a, _ = _restore(program, workdir, ITERATIONS)
-  b, _ = _restore(program, whole, ITERATIONS)
-  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+  _assert_same_run(program, workdir, whole)
 
 
 @pytest.mark.slow
@@ -156,11 +149,7 @@ def test_a_resumed_run_trains_the_batches_its_checkpoint_holds(program, whole, t
   workdir = tmp_path / "resumed"
   trainer._train(small_config(lag, num_iterations=2), str(workdir), program)
   trainer._train(small_config(lag), str(workdir), program)
-  assert _timeless(workdir) == _timeless(whole)
-  assert _trajectories(workdir) == _trajectories(whole)
-  a, _ = _restore(program, workdir, ITERATIONS)
-  b, _ = _restore(program, whole, ITERATIONS)
-  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+  _assert_same_run(program, workdir, whole)
   with pytest.raises(config_lib.ConfigError, match="pipeline.lag"):
     trainer.train(small_config(0, num_iterations=6), str(workdir))
 
