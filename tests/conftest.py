@@ -18,15 +18,11 @@ temporary directory made by the session's first pytest process (the xdist contro
 workers and their children inherit it) and removed when that process ends. A program that
 several tests' subprocesses compile (the same config, shapes and devices) compiles once: most
 of a short `run.py` is compilation on 2 cores (69 s cold, 25 s from the cache, 2026-12-02). The
-test processes themselves (pytest and its xdist workers) do not use it: twice a worker died
-with "Fatal Python error: Aborted" inside JAX's cache write of an 8-device program
-(`compilation_cache.put_executable_and_time`, in a full suite run; the same test alone with
-every program written passed), which fails the test in flight, and once it left xdist's old
-loadgroup scheduler waiting forever. Off, their in-process tests lose about 30 s (the
-learner's TIS and mask tests compile the same tiny programs afresh: 103 s without the cache,
-74.5 s with it, 2026-12-02). Only programs that took at least `CACHE_MIN_COMPILE_SECS` to
-compile are cached (below). A test that times compilation or reads a compiled executable's
-HLO is marked `fresh_compiles`: it runs with the cache off in any process. A
+test processes (the xdist workers) use it too: tests that build the same tiny programs afresh
+(a new closure each, so jit's in-memory cache misses) compile them once (the learner's TIS and
+mask tests: 103 s without it, 74.5 s with it, 2026-12-02). Only programs that took at least
+`CACHE_MIN_COMPILE_SECS` to compile are cached (below). A test that times compilation or
+reads a compiled executable's HLO is marked `fresh_compiles`: it runs with the cache off. A
 size limit turns on JAX's file lock around every read and write of the cache (and evicts the
 least recently used entries beyond it). A process a test kills with SIGKILL must not write to
 it (a torn entry): such tests turn it off for it (`JAX_ENABLE_COMPILATION_CACHE=false`) or hand
@@ -75,8 +71,6 @@ import hypothesis  # noqa: E402
 import jax  # noqa: E402
 from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 import pytest  # noqa: E402
-
-jax.config.update("jax_enable_compilation_cache", False)  # this process only (see the docstring)
 
 hypothesis.settings.register_profile("default", deadline=None, max_examples=40, print_blob=True)
 hypothesis.settings.register_profile("thorough", deadline=None, max_examples=400)
