@@ -36,6 +36,7 @@ SEEUPO_NOTEBOOK_QUICK=1: every cell on fewer seeds and iterations (each notebook
 the test checks that they run, not their numbers (`pytest --nbmake notebooks` runs them in full).
 """
 
+import gc
 import os
 import shutil
 import sys
@@ -129,3 +130,31 @@ def pytest_collection_modifyitems(config, items):
 def pytest_unconfigure(config):
   if _OWN_CACHE is not None:
     shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+MAX_MEMORY_MAPS = 24_000
+"""A test process's memory maps beyond which it drops JAX's compiled programs after a test.
+
+XLA's CPU backend maps each kernel of a compiled program into memory on its own (a code, a data
+and a read-only page: an update's program holds thousands), and keeps them for as long as the
+program lives, which for a jitted function of a module or a fixture is the test process's life.
+Linux refuses a process more than `vm.max_map_count` maps (65530 by default), and XLA then
+crashes the process (a segfault or an abort in a compile or in the serialization of a program
+for the persistent cache). Measured in a suite run on the 2-core CPU without this limit
+(2026-12-06): an xdist worker held 16,000 maps after 4 minutes and 64,773 after 19, then
+segfaulted in `compilation_cache.put_executable_and_time`. `jax.clear_caches()` drops the
+programs (a later call compiles again, from the persistent cache when it is there)."""
+
+
+def _memory_maps() -> int:
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:  # not Linux
+    return 0
+
+
+def pytest_runtest_teardown(item, nextitem):
+  if _memory_maps() > MAX_MEMORY_MAPS:
+    jax.clear_caches()
+    gc.collect()
