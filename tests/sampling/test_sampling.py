@@ -2,14 +2,10 @@
 
 import dataclasses
 import functools
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import processes
 import pytest
 import sampling_reference
 
@@ -336,14 +332,9 @@ def test_chunked_prefill_unrolled_layers_and_shared_stops(model):
     np.testing.assert_allclose(out.logprobs[b, :n], ref.logprobs[b, :n], atol=2e-5)
 
 
-def check_sharded_equals_unsharded():
-  """The sampler on a (data 2, fsdp 2, tensor 2) mesh of 8 devices draws the tokens and
-  log-probs of the unsharded sampler."""
-  cfg = tiny.model_config()
-  params = jax.jit(qwen.init_params, static_argnums=0)(cfg, jax.random.key(0))
-  params = jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, params)  # as `model`
-  model = cfg, params
-  assert jax.device_count() == 8
+def test_sharded_equals_unsharded(model):
+  cfg, params = model
+  assert jax.device_count() == 8, "conftest provides 8 simulated CPU devices"
   keys = _keys(9)
   ids, valid, want = _run(model, SAMPLE_CFG, keys)
 
@@ -359,21 +350,3 @@ def check_sharded_equals_unsharded():
   assert len(sharded_params["embed"]["embedding"].sharding.device_set) == 8
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_allclose(got.logprobs, want.logprobs, atol=2e-5)
-
-
-def test_sharded_equals_unsharded():
-  """`check_sharded_equals_unsharded` in a process of its own, with 8 simulated devices: in a
-  long-lived xdist worker of a full suite run, XLA's compilation of this sharded sampler crashed
-  the worker (a segmentation fault, and an abort in the cache write after it; 2026-12-06),
-  failing the test in flight; in a fresh process it has not."""
-  here = os.path.dirname(os.path.abspath(__file__))
-  path = os.pathsep.join([here, os.path.dirname(here)])
-  done = subprocess.run(
-    [sys.executable, "-c", "import test_sampling; test_sampling.check_sharded_equals_unsharded()"],
-    capture_output=True,
-    text=True,
-    env=processes.env(devices=8, PYTHONPATH=path),
-    cwd=here,
-    timeout=600,
-  )
-  assert done.returncode == 0, done.stderr[-3000:]
