@@ -391,7 +391,13 @@ class Roller:
   # --- the loop -----------------------------------------------------------------------------
 
   def run(
-    self, params, task_ids: Sequence[str], samples_per_task: int, rng: jax.Array
+    self,
+    params,
+    task_ids: Sequence[str],
+    samples_per_task: int,
+    rng: jax.Array,
+    *,
+    on_env_wait: Optional[Callable[[], None]] = None,
   ) -> RolloutResult:
     """Plays len(task_ids) x samples_per_task episodes; returns them with timing metrics.
 
@@ -403,9 +409,16 @@ class Roller:
       task_ids: the B tasks of this call (group g = task g).
       samples_per_task: n, trajectories per task.
       rng: a PRNG key.
+      on_env_wait: called once, the first time the policy has decoded a round and then has
+        nothing to do but wait for the environments' answers (not called if that never
+        happens): the training loop dispatches an update there, whose device time then
+        overlaps the environments' time (`pipeline.lag`). What it does must not change the
+        sampler's device state: the trajectories are the same with or without it.
     """
     t_start = time.perf_counter()
     self._timers = _Timers()
+    self._on_env_wait = on_env_wait
+    self._decoded = False  # a decode round has run (the first env wait before it is resets')
     self._rng = rng
     stats_before = dataclasses.replace(self.workers.stats)
     policy_before = self.policy.stats()
@@ -471,6 +484,7 @@ class Roller:
       seconds = time.perf_counter() - t_sample
       self._timers.sample += seconds
       self._policy_seconds = 0.9 * self._policy_seconds + 0.1 * seconds
+      self._decoded = self._decoded or bool(replies)
       t_host = time.perf_counter()
       self._just_handed = len(replies)
       for reply in replies:
@@ -491,6 +505,9 @@ class Roller:
     results until no call is in flight and no reply is being decoded."""
     results = []
     if not self.policy.busy and self._in_flight and not (barrier and self._held and at_barrier):
+      if self._on_env_wait is not None and self._decoded:
+        hook, self._on_env_wait = self._on_env_wait, None
+        hook()
       t_wait = time.perf_counter()
       results.append(self._inbox.get())
       self._timers.env_wait += time.perf_counter() - t_wait

@@ -13,8 +13,11 @@ One iteration:
       `save_timer.py`); on SIGTERM/SIGINT: save now and raise Preempted (`preemption.py`)
 
 With `pipeline.lag` k > 0 the batch trained at iteration i was sampled k iterations earlier:
-the update of B_i is dispatched first, and B_{i+k} is sampled with the params that update starts
-from while it runs (the schedule, the prologue and what a checkpoint holds: `pipeline.py`).
+B_{i+k} is sampled with the params the update of B_i starts from, and that update is dispatched
+at the rollout's first wait for the environments (`Roller.run(on_env_wait=)`: after a decode
+round, every live episode waiting on a tool call), so its device time runs in the environments'
+time; a rollout that never waits dispatches it after (the schedule, the prologue and what a
+checkpoint holds: `pipeline.py`).
 
 The loop writes no file itself: the writers are the caller's (`trainer.train`).
 """
@@ -94,14 +97,17 @@ def run(
   num_rows = num_rows // program.processes.count if dynamic_sampling else None
   timer = save_timer.SaveTimer(config.checkpoint.every_minutes)
 
-  def sample(params, key) -> rollout.RolloutResult:
-    """The next B tasks of the stream, n samples each, with `params` (the learner's)."""
+  def sample(params, key, on_env_wait=None) -> rollout.RolloutResult:
+    """The next B tasks of the stream, n samples each, with `params` (the learner's);
+    `on_env_wait`: see `Roller.run`."""
     tasks = stream.take(config.rollout.tasks_per_iteration)
     with jax.set_mesh(program.decode.mesh):  # the sampler on the decode layout
       # The key comes from the learner's (checkpointed, on the learner's mesh): replicated
       # on the decode mesh like every other input of the sampler.
       key = _key_on(key, program.decode.mesh)
-      result = program.roller.run(params, tasks, config.rollout.samples_per_task, key)
+      result = program.roller.run(
+        params, tasks, config.rollout.samples_per_task, key, on_env_wait=on_env_wait
+      )
       if dynamic_sampling:  # DAPO: more tasks until the batch holds B informative groups
         result = refill_informative_groups(
           program.roller,
@@ -149,15 +155,29 @@ def run(
         longest=max(program.processes.allgather(longest)),
       )
       learner.validate(batch, program.learner_config.num_turns, num_rows=global_rows)
-      state, learner_metrics = program.update(  # dispatched: runs while the next batch samples
-        state, learner.shard_batch(batch, program.mesh), k_update
-      )
-      if lag:  # B_{i+k} with theta_{i-1}, while the update runs
-        if not overlap:
-          jax.block_until_ready(state)
+      sharded = learner.shard_batch(batch, program.mesh)
+      updated = []
+
+      def dispatch_update(state=state, sharded=sharded, k_update=k_update):
+        # Returns at once (JAX's asynchronous dispatch); the first call only.
+        if not updated:
+          with jax.set_mesh(program.mesh):  # called inside the sampler's (decode) mesh
+            updated.append(program.update(state, sharded, k_update))
+
+      if not lag:
+        dispatch_update()
+      elif not overlap:  # the reference: the update, then B_{i+k}, one after the other
+        dispatch_update()
+        jax.block_until_ready(updated[0])
         t_sample = time.perf_counter()
         pending.append(pipeline.Sampled(sample(params, k_rollout), iteration))
         rollout_time = time.perf_counter() - t_sample
+      else:  # B_{i+k} with theta_{i-1}; the update dispatched at its first wait for the envs
+        t_sample = time.perf_counter()
+        pending.append(pipeline.Sampled(sample(params, k_rollout, dispatch_update), iteration))
+        rollout_time = time.perf_counter() - t_sample
+        dispatch_update()  # a rollout that never waited: after it
+      state, learner_metrics = updated[0]
       learner_metrics = jax.device_get(learner_metrics)
       t2 = time.perf_counter()
       iteration += 1

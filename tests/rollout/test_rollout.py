@@ -312,6 +312,40 @@ def test_environments_run_in_parallel_and_wait_share_is_measured(params, chat, t
   assert parts <= m["rollout/time"] <= wall
 
 
+def test_on_env_wait_is_called_once_at_the_first_wait_for_tool_calls_and_changes_nothing(
+  params, chat, tok
+):
+  """`Roller.run(on_env_wait=)` is called once: after a decode round handed replies to the
+  environments, when the policy has nothing to do but wait for them (not at the resets' wait).
+  A hook that runs device work there (what the training loop's update is) leaves the
+  trajectories as they are without it."""
+  tasks, key = ["2/1/", "3/2/"], jax.random.key(4)
+  plain = _roller(chat, tok, max_turns=3, max_new=3, delay=0.05, env_workers=8)
+  expected = plain.run(params, tasks, 4, key).trajectories
+  plain.close()
+
+  roller = _roller(chat, tok, max_turns=3, max_new=3, delay=0.05, env_workers=8)
+  recorder = Recorder(roller)
+  seen = []
+
+  def hook():
+    seen.append((len(recorder.replies), roller._in_flight, roller.policy.busy))
+    x = jax.numpy.ones((256, 256))
+    for _ in range(20):  # dispatched, not waited for: it runs while the envs answer
+      x = jax.numpy.tanh(x @ x)
+    seen.append(x)
+
+  result = roller.run(params, tasks, 4, key, on_env_wait=hook)
+  roller.close()
+  assert len(seen) == 2  # called once
+  replies_before, in_flight, busy = seen[0]
+  assert replies_before >= 1 and in_flight >= 1 and not busy
+  assert replies_before < len(recorder.replies)  # more turns were sampled after it
+  for got, want in zip(result.trajectories, expected, strict=True):
+    assert got.tokens == want.tokens and got.logprobs == want.logprobs
+    assert got.reward == want.reward
+
+
 def test_synthetic_rollout_scores_match_the_replies(params, chat, tok):
   spec = envs.make_spec("synthetic", {"num_dials": 3})
   sc = sampling.SamplingConfig(max_new_tokens=3, stop_token_ids=(chat.end_of_turn_id,))
