@@ -8,7 +8,9 @@
 `install` mocks epath's backends (`etils.epath.testing.mock_epath`): a path with a URL scheme is
 mapped to `<root>/<scheme>/<rest>` and handled by the local file system, every other path is
 left as it is. With `fail`, opening a remote path that contains `fail` for writing raises
-OSError (a bucket that refuses those objects); everything else still works.
+OSError (a bucket that refuses those objects); everything else still works. With `on_write`, it
+is called with the remote path before each remote object is opened for writing (a test blocks
+there, or changes the local files in the middle of a copy).
 
 Run as a program, it installs the fake and runs the script that follows with the remaining
 arguments (`experiments/run.py` in the tests: the run's own process sees the fake bucket).
@@ -22,7 +24,7 @@ import os
 import re
 import runpy
 import sys
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from etils.epath import testing as epath_testing
 
@@ -38,7 +40,9 @@ def local_path(root: str, path) -> str:
 
 
 @contextlib.contextmanager
-def install(root, fail: Optional[str] = None) -> Iterator[None]:
+def install(
+  root, fail: Optional[str] = None, on_write: Optional[Callable[[str], None]] = None
+) -> Iterator[None]:
   """Maps remote paths to `root` for the block (see the module docstring)."""
   os.makedirs(root, exist_ok=True)
 
@@ -50,7 +54,10 @@ def install(root, fail: Optional[str] = None) -> Iterator[None]:
 
   def open_(original, path, mode="r"):
     remote = _SCHEME.match(os.fspath(path)) is not None
-    if remote and fail and fail in os.fspath(path) and any(c in mode for c in "wax+"):
+    writing = any(c in mode for c in "wax+")
+    if remote and writing and on_write is not None:
+      on_write(os.fspath(path))
+    if remote and fail and fail in os.fspath(path) and writing:
       raise OSError(errno.EIO, f"503 Service Unavailable: the fake bucket refuses {path}")
     return original(local_path(root, path), mode)
 

@@ -5,8 +5,10 @@
       mirror.check()                    # RemoteError: no backend for the scheme, or unreachable
       with mirror.lock():               # RemoteLocked: a lock object of another run is there
         mirror.pull()                   # the remote's newer checkpoints and logs, into local
+        uploader = remote.Uploader(mirror)  # pushes in a background thread
         ...                             # train in mirror.local, exactly as in a local workdir
-        mirror.push()                   # after each completed checkpoint, and at the end
+        uploader.request()              # after each completed checkpoint (returns at once)
+        uploader.close()                # the last push, waited for
 
 The contract:
 
@@ -25,6 +27,11 @@ The contract:
 - **A push that fails raises `RemoteWriteFailed`**, one line naming the file, the remote path and
   the error. The local directory is left as it was: the checkpoint is there, and the next run on
   it resumes from it and copies what the remote lacks.
+- **In the background** (`Uploader`): a run's pushes run in a thread of their own while training
+  goes on; the files being written meanwhile (metrics.jsonl grows) are copied as they are when
+  read, and again at the next push when they changed; a checkpoint that `checkpoint.keep` drops
+  while it is being copied is left without its record (never pulled) and deleted remotely by
+  the next push. A failed push is raised at the next save or at the end.
 - **`pull` on start**: when the remote holds a newer complete checkpoint than the local
   directory (a fresh machine: none locally), every complete remote checkpoint missing locally
   and every other remote file that is missing or has another size locally is copied in, so the
@@ -55,6 +62,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 from typing import Iterator, Optional, Sequence
 
 from absl import logging
@@ -242,9 +250,16 @@ class Mirror:
       for f in _local_files(os.path.join(self.local, relative), workdir=False)
       if f != FILE_SIZES
     ]
-    for f in files:
-      self._copy_to_remote(f)
-    self._copy_to_remote(f"{relative}/{FILE_SIZES}")  # the record last: the copy is complete
+    try:
+      for f in files:
+        self._copy_to_remote(f)
+      self._copy_to_remote(f"{relative}/{FILE_SIZES}")  # the record last: the copy is complete
+    except RemoteWriteFailed:
+      if not os.path.isdir(os.path.join(self.local, relative)):
+        # Orbax dropped it (`checkpoint.keep`) while it was being copied from a background
+        # thread (`Uploader`): a copy without its record, deleted by the next push.
+        return False
+      raise
     self._pushed_checkpoints[iteration] = sizes
     return True
 
@@ -279,8 +294,11 @@ class Mirror:
     if names is None:
       iterations = self._local_iterations()
       for iteration in iterations:
-        if self._push_checkpoint(iteration):
-          copied.append(f"{CHECKPOINTS}/{iteration}/")
+        try:
+          if self._push_checkpoint(iteration):
+            copied.append(f"{CHECKPOINTS}/{iteration}/")
+        except FileNotFoundError:  # its record: dropped by orbax since it was listed
+          continue
       candidates = list(_local_files(self.local))
     else:
       iterations, candidates = None, list(names)
@@ -293,7 +311,12 @@ class Mirror:
       stamp = (st.st_size, st.st_mtime_ns)
       if self._pushed.get(relative) == stamp:
         continue
-      self._copy_to_remote(relative)
+      try:
+        self._copy_to_remote(relative)
+      except RemoteWriteFailed:
+        if not os.path.exists(path):  # deleted meanwhile
+          continue
+        raise
       self._pushed[relative] = stamp
       copied.append(relative)
     if iterations is not None:
@@ -351,6 +374,103 @@ class Mirror:
   def lock(self, take: bool = False) -> "RemoteLock":
     """`with mirror.lock():` holds the remote's lock object for the block (`RemoteLock`)."""
     return RemoteLock(self._root / LOCK_OBJECT, self.local, take=take)
+
+
+class Uploader:
+  """Runs a mirror's pushes in a background thread, so that a save does not wait for the bucket.
+
+        uploader = remote.Uploader(mirror)
+        checkpointer = Checkpointer(..., on_saved=uploader.request)   # returns at once
+        ...
+        uploader.close()              # the last push, waited for: the remote is complete
+
+  `request` asks for a push (`Mirror.push`: what changed since the last one) and returns at once;
+  requests made while a push runs are served by one more push after it, so a slow bucket copies
+  the newest files and never queues a backlog. A push that fails is remembered and raised by the
+  next `request`, `wait` or `close` (`RemoteWriteFailed`, one line naming the file): a run learns
+  of it at its next save, with its local directory holding every file. The thread is a daemon: a
+  process that dies without `close` abandons the push in flight, which leaves at most a remote
+  checkpoint without its `file_sizes.json` record (never pulled) and an object of an older size.
+  """
+
+  def __init__(self, mirror: Mirror):
+    self.mirror = mirror
+    self.pushes = 0  # pushes completed (tests and benchmarks read it)
+    self._cond = threading.Condition()
+    self._requested = False
+    self._busy = False
+    self._closed = False
+    self._error: Optional[RemoteError] = None
+    self._thread = threading.Thread(target=self._loop, name="remote-push", daemon=True)
+    self._thread.start()
+
+  def _loop(self) -> None:
+    while True:
+      with self._cond:
+        while not (self._requested or self._closed):
+          self._cond.wait()
+        if not self._requested:
+          return
+        self._requested, self._busy = False, True
+      error = None
+      try:
+        self.mirror.push()
+      except RemoteError as e:
+        error = e
+      except Exception as e:  # pylint: disable=broad-exception-caught  (a bug: still one line)
+        error = RemoteWriteFailed(f"copying {self.mirror.local} to {self.mirror.remote}: {e!r}")
+        error.__cause__ = e
+      with self._cond:
+        self._busy = False
+        self.pushes += 1
+        if error is not None and self._error is None:
+          self._error = error
+        self._cond.notify_all()
+
+  def _raise_error(self) -> None:
+    """Raises (once) the error of a failed push; call with the condition held."""
+    error, self._error = self._error, None
+    if error is not None:
+      raise error
+
+  def request(self, iteration: Optional[int] = None) -> None:  # pylint: disable=unused-argument
+    """Asks for a push (`iteration`: the checkpoint just saved, for `Checkpointer.on_saved`).
+
+    Raises:
+      RemoteWriteFailed: an earlier push failed (no push is requested then).
+      RuntimeError: the uploader is closed.
+    """
+    with self._cond:
+      if self._closed:
+        raise RuntimeError("Uploader.request after close")
+      self._raise_error()
+      self._requested = True
+      self._cond.notify_all()
+
+  def wait(self) -> None:
+    """Returns when no push is requested or running; raises what a failed push raised."""
+    with self._cond:
+      while self._requested or self._busy:
+        self._cond.wait()
+      self._raise_error()
+
+  def close(self, push: bool = True) -> None:
+    """Pushes once more (unless `push` is False or a push failed), waits for it, and stops the
+    thread.
+
+    Raises:
+      RemoteWriteFailed: a push failed (the last one, or an earlier one not yet raised).
+    """
+    with self._cond:
+      if self._closed:
+        return
+      if push and self._error is None:
+        self._requested = True
+      self._closed = True
+      self._cond.notify_all()
+    self._thread.join()
+    with self._cond:
+      self._raise_error()
 
 
 class RemoteLock:

@@ -32,8 +32,9 @@ writes metrics, TensorBoard, trajectories, curves and the HF export; checkpoints
 written by every process.
 
 A remote workdir (`gs://`, `s3://`; `remote.py`): the run writes a local directory as it would a
-local workdir, and process 0 copies it to the remote after each completed checkpoint and at the
-end (`remote.Mirror`), having pulled the remote's newer checkpoints first.
+local workdir, and process 0 copies it to the remote in a background thread after each completed
+checkpoint, and at the end (`remote.Mirror`, `remote.Uploader`), having pulled the remote's newer
+checkpoints first.
 """
 
 from __future__ import annotations
@@ -361,17 +362,38 @@ def _train_typed(
   # A run refused at start-up leaves no empty workdir; a remote one's lock object goes last.
   with workdir_lib.prepared(local), held, _remote_workdir(mirror, take_remote_lock):
     program = program_lib.build(config)
-    try:
-      last = _training(config, local, program, defaults, mirror)
-    finally:
-      program.close()
+    uploader = None
     if mirror is not None and program.processes.is_main:
-      mirror.push()  # the logs and figures of the end, the HF export
+      uploader = remote.Uploader(mirror)  # copies in the background after each save
+    try:
+      last = _training(config, local, program, defaults, uploader)
+    except BaseException as e:
+      program.close()
+      if uploader is not None:
+        _close_uploader_after(e, uploader)
+      raise
+    program.close()
+    if uploader is not None:
+      uploader.close()  # the last copy, waited for: the logs and figures of the end, hf_policy/
   if program.processes.is_main:
     _print(outputs(local))
     if mirror is not None:
       _print(f"copied to {mirror.remote}")
   return last
+
+
+def _close_uploader_after(error: BaseException, uploader: remote.Uploader) -> None:
+  """Closes `uploader` on the way out of a run that raised `error`. After a stop on a signal
+  (`Preempted`, its checkpoint saved) the last copy is made and waited for, and a copy that
+  fails is what the run reports (the VM's disk may not outlive it); after a failure, the copies
+  requested so far finish and a copy that fails is a warning beside the failure."""
+  if isinstance(error, Preempted):
+    uploader.close()
+    return
+  try:
+    uploader.close(push=False)
+  except remote.RemoteError as e:
+    logging.warning("%s", e)
 
 
 def _train(config: AnyConfig, workdir: str, program: Program, defaults=None) -> dict[str, float]:
@@ -384,13 +406,13 @@ def _training(
   workdir: str,
   program: Program,
   defaults=None,
-  mirror: remote.Mirror | None = None,
+  uploader: remote.Uploader | None = None,
 ) -> dict[str, float]:
   """Restores the workdir's latest checkpoint (if any), runs `loop.run` with the writers of
-  process 0, and exports the policy (`save_hf`). `mirror` copies the workdir to its remote after
-  each completed checkpoint (process 0)."""
+  process 0, and exports the policy (`save_hf`). `uploader` copies the workdir to its remote in
+  the background after each completed checkpoint (process 0)."""
   train_ids = program.spec.task_ids("train")
-  on_saved = None if mirror is None else (lambda iteration: mirror.push())
+  on_saved = None if uploader is None else uploader.request
   checkpointer = _checkpoints(config, workdir, defaults, on_saved=on_saved)
   state = program.init_state()
   rng = _replicated_key(config.seed, program.mesh)

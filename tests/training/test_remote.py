@@ -12,6 +12,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -20,6 +22,7 @@ import processes
 
 from seeupo_jax.training import metrics_log
 from seeupo_jax.training import remote
+from seeupo_jax.training import trainer
 from test_train import RESUME_ARGS, _strip_times, whole_run  # noqa: F401  (the fixture)
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -134,6 +137,120 @@ def test_a_refused_copy_is_one_line_leaves_the_local_files_and_no_complete_remot
     # The next push, the bucket back, completes it.
     assert remote.Mirror(REMOTE, local).push() == ["checkpoints/2/"]
     assert remote.Mirror(REMOTE, str(tmp_path / "fresh")).pull() == ["checkpoints/2/"]
+
+
+def _wait_for(condition, timeout: float = 60.0) -> None:
+  deadline = time.monotonic() + timeout
+  while not condition():
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.01)
+
+
+def test_the_uploader_returns_at_once_and_serves_requests_made_during_a_push_with_one_more(
+  tmp_path,
+):
+  """`Uploader.request` returns while the bucket holds the copy up; the three requests made
+  meanwhile are served by one more push, and `close` pushes once more: the remote then holds
+  every local file, the checkpoints complete."""
+  local = str(tmp_path / "local")
+  _checkpoint(local, 2, b"two")
+  root = tmp_path / "bucket"
+  in_bucket = root / "gs" / "bucket" / "run"
+  copying, release = threading.Event(), threading.Event()
+
+  def on_write(path):
+    copying.set()
+    assert release.wait(60)
+
+  with fake_bucket.install(root, on_write=on_write):
+    uploader = remote.Uploader(remote.Mirror(REMOTE, local))
+    uploader.request(2)
+    assert copying.wait(60)  # the push is in its first copy, held there by the bucket
+    assert not (in_bucket / "checkpoints" / "2" / "file_sizes.json").exists()
+    _checkpoint(local, 4, b"four")  # training goes on: the next save, a log line
+    _write(os.path.join(local, "metrics.jsonl"), b'{"iteration": 1}\n')
+    for _ in range(3):
+      uploader.request(4)
+    assert uploader.pushes == 0
+    release.set()
+    uploader.wait()
+    assert uploader.pushes == 2
+    uploader.close()
+    assert uploader.pushes == 3
+    fresh = str(tmp_path / "fresh")
+    assert remote.Mirror(REMOTE, fresh).pull() == [
+      "checkpoints/2/",
+      "checkpoints/4/",
+      "metrics.jsonl",
+    ]
+  assert _tree(fresh) == _tree(local)
+
+
+def test_a_failed_background_push_is_raised_by_the_next_request_and_by_close(tmp_path):
+  local = str(tmp_path / "local")
+  _checkpoint(local, 2, b"two")
+  with fake_bucket.install(tmp_path / "bucket", fail="file_sizes.json"):
+    uploader = remote.Uploader(remote.Mirror(REMOTE, local))
+    uploader.request(2)  # returns: the push fails in the background
+    _wait_for(lambda: uploader.pushes == 1)
+    with pytest.raises(remote.RemoteWriteFailed) as raised:
+      uploader.request(3)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith(f"cannot copy {local}/checkpoints/2/")
+    assert uploader.pushes == 1  # the failed request asked for no push
+    with pytest.raises(remote.RemoteWriteFailed, match="503 Service Unavailable"):
+      uploader.close()  # its last push fails the same way
+    assert uploader.pushes == 2
+
+
+def test_a_checkpoint_dropped_while_it_is_copied_is_left_incomplete_then_deleted(tmp_path):
+  """Orbax deletes a checkpoint beyond `checkpoint.keep` while the background push copies it:
+  the push goes on without error, the remote copy has no record (never pulled), and the next
+  push deletes it."""
+  local = str(tmp_path / "local")
+  _checkpoint(local, 2, b"two")
+  root = tmp_path / "bucket"
+
+  def on_write(path):  # the first object of checkpoint 2: orbax drops the checkpoint now
+    if path.endswith("/checkpoints/2/manifest/metadata"):
+      shutil.rmtree(os.path.join(local, "checkpoints", "2"))
+
+  mirror = remote.Mirror(REMOTE, local)
+  with fake_bucket.install(root, on_write=on_write):
+    assert mirror.push() == []
+  in_bucket = root / "gs" / "bucket" / "run" / "checkpoints"
+  assert (in_bucket / "2" / "manifest" / "metadata").exists()
+  assert not (in_bucket / "2" / "file_sizes.json").exists()
+  _checkpoint(local, 4, b"four")
+  with fake_bucket.install(root):
+    assert mirror.push() == ["checkpoints/4/"]
+    assert sorted(os.listdir(in_bucket)) == ["4"]
+    assert remote.Mirror(REMOTE, str(tmp_path / "fresh")).pull() == ["checkpoints/4/"]
+
+
+def test_a_run_that_stops_waits_for_its_last_copy_only_when_stopped_by_a_signal(tmp_path):
+  """On a stop by SIGTERM/SIGINT the trainer makes the last copy and reports it failing; on a
+  failure it only lets the copy in flight finish, a failing copy a warning beside it."""
+  local = str(tmp_path / "local")
+  _checkpoint(local, 2, b"two")
+  root = tmp_path / "bucket"
+  in_bucket = root / "gs" / "bucket" / "run"
+  preempted = trainer.Preempted(2, "SIGTERM", os.path.join(local, "checkpoints"))
+  with fake_bucket.install(root):
+    trainer._close_uploader_after(preempted, remote.Uploader(remote.Mirror(REMOTE, local)))
+  assert (in_bucket / "checkpoints" / "2" / "file_sizes.json").exists()
+  _checkpoint(local, 4, b"four")
+  with fake_bucket.install(root, fail="file_sizes.json"):
+    with pytest.raises(remote.RemoteWriteFailed):
+      trainer._close_uploader_after(preempted, remote.Uploader(remote.Mirror(REMOTE, local)))
+    uploader = remote.Uploader(remote.Mirror(REMOTE, local))
+    trainer._close_uploader_after(RuntimeError("a bug"), uploader)  # no push, nothing raised
+    assert uploader.pushes == 0
+    uploader = remote.Uploader(remote.Mirror(REMOTE, local))
+    uploader.request(4)
+    trainer._close_uploader_after(RuntimeError("a bug"), uploader)  # its push fails: a warning
+    assert uploader.pushes == 1
+  assert not (in_bucket / "checkpoints" / "4" / "file_sizes.json").exists()
 
 
 def test_the_lock_object_refuses_another_host_and_takes_a_dead_pid_of_this_one(bucket, tmp_path):
