@@ -34,6 +34,12 @@ the copy's shards as arrays on its own decode mesh (`mesh`, `distributed.process
 a copy. The sampler then never touches another process's devices. One process: the two meshes
 are one.
 
+Devices of its own (`devices=`, one process): the decode mesh is made of other devices than the
+learner's (`pipeline.rollout_devices`), so the sampler and the update run at the same time. The
+copy is cast to the compute dtype on the learner's devices (in the learner's layout) and then
+`jax.device_put` into the decode layout on the sampler's devices; the previous copy is deleted
+first, so the sampler's devices hold one copy.
+
 `layout(params)` runs one jitted function with fixed `out_shardings`. From the second call on it
 donates the previous call's output, so XLA writes the new copy into the old copy's buffers (the
 compiled reshard aliases every output to a donated input: no second copy is ever allocated);
@@ -48,7 +54,7 @@ import functools
 import math
 import re
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -237,18 +243,23 @@ class DecodeLayout:
 
   Args:
     model_config: the policy's `ModelConfig`; the copy is in `model_config.dtype`.
-    mesh: the learner's mesh; the decode mesh has the same devices (`decode_mesh`).
-    tensor: the decode tensor-parallel size (None: fsdp x tensor of `mesh`).
+    mesh: the learner's mesh; the decode mesh has the same devices (`decode_mesh`) unless
+      `devices` are given.
+    tensor: the decode tensor-parallel size (None: fsdp x tensor of `mesh`; with `devices`,
+      all of them).
     donate: write each new copy into the previous copy's buffers (True), or allocate a new one.
     unroll: move the layers in an unrolled loop instead of a `fori_loop` (a larger program).
       None: only with several processes on CPU, where XLA:CPU ran the collectives of the loop
       concurrently with the ones around it, in different orders on different devices, which
       gloo then matched wrongly ("collective mismatch", an abort). Accelerators issue a
       program's collectives in its order.
+    devices: the sampler's own devices, none of them in `mesh` (one process): the decode mesh
+      is made of them, and each copy is cast on the learner's devices and `device_put` there.
 
   Attributes:
     mesh: the decode mesh of this process's devices: run the sampler under
       `jax.set_mesh(layout.mesh)`.
+    separate: whether the decode mesh's devices are others than the learner's (`devices`).
     reshard_mesh: the decode mesh of every process's devices, where the reshard runs (`mesh`
       with one process).
     model_config: `model_config` with `param_dtype = dtype` (the copy's numerics; the sampler
@@ -268,7 +279,13 @@ class DecodeLayout:
     tensor: Optional[int] = None,
     donate: bool = True,
     unroll: Optional[bool] = None,
+    devices: Optional[Sequence[jax.Device]] = None,
   ):
+    self._learner_mesh = mesh
+    self.separate = devices is not None
+    if self.separate:
+      self._init_separate(model_config, mesh, tensor, list(devices))
+      return
     self.reshard_mesh = decode_mesh(mesh, tensor)
     self.mesh = self.reshard_mesh
     if jax.process_count() > 1:
@@ -313,6 +330,41 @@ class DecodeLayout:
     self._params: Optional[Params] = None  # the copy on reshard_mesh (donated by the next)
     self._local: Optional[Params] = None  # its shards on this process's mesh
 
+  def _init_separate(self, model_config, mesh, tensor, devices) -> None:
+    """The decode layout on `devices`, none of them the learner's (see the module docstring)."""
+    if jax.process_count() > 1:
+      raise ValueError("a decode mesh of devices of its own needs one process")
+    learner = {d.id for d in mesh.devices.flat}
+    shared = sorted(d.id for d in devices if d.id in learner)
+    if not devices or shared:
+      raise ValueError(
+        f"the sampler's devices must be others than the learner's; shared: {shared}"
+        if shared
+        else "the sampler's devices: none given"
+      )
+    tensor = len(devices) if tensor is None else tensor
+    if not isinstance(tensor, int) or tensor < 1 or len(devices) % tensor:
+      raise ValueError(
+        f"decode tensor size must be a positive divisor of {len(devices)} devices, got {tensor}"
+      )
+    self.mesh = self.reshard_mesh = sharding.make_mesh(
+      data=len(devices) // tensor, fsdp=1, tensor=tensor, devices=devices
+    )
+    self.model_config = model_config.replace(param_dtype=model_config.dtype)
+    self.shardings = param_shardings(
+      qwen.params_shape(self.model_config), self.mesh, self.model_config
+    )
+    dtype = jnp.dtype(model_config.dtype)
+    source = sharding.param_shardings(qwen.params_shape(model_config), mesh)
+    self._cast = jax.jit(
+      lambda params: jax.tree.map(lambda x: x.astype(dtype), params), out_shardings=source
+    )
+    self.unroll = False
+    self.donate = False
+    self._source: list[weakref.ref] = []
+    self._params: Optional[Params] = None
+    self._local: Optional[Params] = None
+
   def cache_sharding(self, cache: qwen.KVCache) -> qwen.KVCache:
     """The KV cache's shardings on the decode mesh (for `sampling.SamplerSession`)."""
     return sharding.cache_shardings(cache, self.mesh)
@@ -331,6 +383,17 @@ class DecodeLayout:
       and all(ref() is leaf for ref, leaf in zip(self._source, leaves))
     ):
       return self._local
+    if self.separate:
+      if self._params is not None:  # one copy on the sampler's devices
+        for x in jax.tree.leaves(self._params):
+          x.delete()
+        self._params = self._local = None
+      with jax.set_mesh(self._learner_mesh):
+        cast = self._cast(params)
+      out = jax.device_put(cast, self.shardings)
+      self._source = [weakref.ref(leaf) for leaf in leaves]
+      self._params = self._local = out
+      return out
     with jax.set_mesh(self.reshard_mesh):  # over every process's devices
       if self.donate and self._params is not None:
         out = self.reshard_into(params, self._params)

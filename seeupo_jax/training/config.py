@@ -218,9 +218,14 @@ class LogSection:
 class PipelineSection:
   """`pipeline`: the rollout/update schedule (`training/pipeline.py`). `lag` k: the batch trained
   at iteration i was sampled with the params of iteration i - 1 - k, and is sampled while the
-  update before it runs (0: sample, then update)."""
+  update before it runs (0: sample, then update). `rollout_devices`: where the sampler runs."""
 
   lag: int = fields.field(fields.int_in(0, 8), 0)
+  # The sampler on devices of its own: the last `rollout_devices` devices (the learner's mesh is
+  # made of the others); 0: the learner's devices, time-shared. One process.
+  rollout_devices: int = fields.field(
+    fields.described(fields.int_at_least(0), "0: the learner's devices"), 0
+  )
 
 
 _MESH_AXIS = fields.Allowed(

@@ -13,11 +13,12 @@ One iteration:
       `save_timer.py`); on SIGTERM/SIGINT: save now and raise Preempted (`preemption.py`)
 
 With `pipeline.lag` k > 0 the batch trained at iteration i was sampled k iterations earlier:
-B_{i+k} is sampled with the params the update of B_i starts from, and that update is dispatched
-at the rollout's first wait for the environments (`Roller.run(on_env_wait=)`: after a decode
-round, every live episode waiting on a tool call), so its device time runs in the environments'
-time; a rollout that never waits dispatches it after (the schedule, the prologue and what a
-checkpoint holds: `pipeline.py`).
+B_{i+k} is sampled with the params the update of B_i starts from. With the sampler on devices of
+its own (`pipeline.rollout_devices`) the update is dispatched first and both run at once; on the
+learner's devices it is dispatched at the rollout's first wait for the environments
+(`Roller.run(on_env_wait=)`: after a decode round, every live episode waiting on a tool call), so
+its device time runs in the environments' time, and after the rollout if that never waits (the
+schedule, the prologue and what a checkpoint holds: `pipeline.py`).
 
 The loop writes no file itself: the writers are the caller's (`trainer.train`).
 """
@@ -172,7 +173,10 @@ def run(
         t_sample = time.perf_counter()
         pending.append(pipeline.Sampled(sample(params, k_rollout), iteration))
         rollout_time = time.perf_counter() - t_sample
-      else:  # B_{i+k} with theta_{i-1}; the update dispatched at its first wait for the envs
+      else:  # B_{i+k} with theta_{i-1}, while the update runs
+        if program.decode.separate:  # the sampler's own devices: the update at once
+          dispatch_update()
+        # Else the update is dispatched at the rollout's first wait for the environments.
         t_sample = time.perf_counter()
         pending.append(pipeline.Sampled(sample(params, k_rollout, dispatch_update), iteration))
         rollout_time = time.perf_counter() - t_sample

@@ -185,14 +185,45 @@ def build_learner(config: TrainConfig, model_config: model_config_lib.ModelConfi
 
 
 def build_decode_layout(
-  config: TrainConfig, model_config: model_config_lib.ModelConfig, mesh: jax.sharding.Mesh
+  config: TrainConfig,
+  model_config: model_config_lib.ModelConfig,
+  mesh: jax.sharding.Mesh,
+  devices=None,
 ) -> decode_layout.DecodeLayout:
   """The sampler's copy of the params: tensor-parallel (`rollout.decode_tensor_parallel`),
-  in the compute dtype, and the reshard that makes it from the learner's."""
-  with _config_values("rollout.decode_tensor_parallel"):
+  in the compute dtype, and the reshard that makes it from the learner's; on `devices` when
+  given (`pipeline.rollout_devices`), else on the learner's."""
+  section = "rollout.decode_tensor_parallel"
+  if devices:
+    section += ", pipeline.rollout_devices"
+  with _config_values(section):
     return decode_layout.DecodeLayout(
-      model_config, mesh, tensor=config.rollout.decode_tensor_parallel or None
+      model_config, mesh, tensor=config.rollout.decode_tensor_parallel or None, devices=devices
     )
+
+
+def split_devices(config: TrainConfig, processes) -> tuple[list, list | None]:
+  """(the learner's devices, the sampler's or None): with `pipeline.rollout_devices` r > 0, the
+  last r devices are the sampler's and the others the learner's.
+
+  Raises:
+    ConfigError: r with many processes, or r leaving the learner no device.
+  """
+  devices = list(jax.devices())
+  r = config.pipeline.rollout_devices
+  if not r:
+    return devices, None
+  if processes.count > 1:
+    raise ConfigError(
+      f"pipeline.rollout_devices={r}: devices of the sampler's own need one process (this run "
+      f"has {processes.count}); allowed here: 0"
+    )
+  if r >= len(devices):
+    raise ConfigError(
+      f"pipeline.rollout_devices={r} leaves the learner no device of the {len(devices)}; "
+      f"allowed: 0 to {len(devices) - 1}"
+    )
+  return devices[: len(devices) - r], devices[len(devices) - r :]
 
 
 def build(config: TrainConfig) -> Program:
@@ -225,8 +256,9 @@ def build(config: TrainConfig) -> Program:
   model_config, tokenizer, load_params = build_model(config)
   with _config_values("chat_template_kwargs"):
     chat = chat_tokens.ChatTokens(tokenizer, dict(config.chat_template_kwargs))
+  learner_devices, rollout_devices = split_devices(config, processes)
   with _config_values("mesh"):
-    mesh = sharding_lib.make_mesh(**dataclasses.asdict(config.mesh))
+    mesh = sharding_lib.make_mesh(**dataclasses.asdict(config.mesh), devices=learner_devices)
   if processes.count > 1:
     _check_row_blocks(mesh, r.tasks_per_iteration * r.samples_per_task, processes)
 
@@ -249,7 +281,7 @@ def build(config: TrainConfig) -> Program:
 
   # Worker processes start last, once everything else in the config has checked out.
   # The sampler decodes with its own copy of the params (tensor-parallel, compute dtype).
-  decode = build_decode_layout(config, model_config, mesh)
+  decode = build_decode_layout(config, model_config, mesh, rollout_devices)
   cache_sharding = decode.cache_sharding
   env_workers = rollout.make_workers(spec, rollout_config.worker_config(spec.isolation))
   try:

@@ -234,6 +234,39 @@ class DecodeLayoutTest(parameterized.TestCase):
     )
     self.assertFalse(params["embed"]["embedding"].is_deleted())  # the learner's params stay
 
+  def test_a_layout_on_devices_of_its_own_holds_one_cast_copy_there(self):
+    """`devices=`: the copy is the learner's params cast to the compute dtype, in the decode
+    layout on those devices only; the next copy deletes the previous one first; the learner's
+    params stay. Devices the learner also has are refused."""
+    config = _tiny("bfloat16")
+    devices = jax.devices()
+    mesh = sharding.make_mesh(fsdp=-1, devices=devices[:4])
+    params = _learner_params(config, mesh)
+    layout = decode_layout.DecodeLayout(config, mesh, devices=devices[4:])
+    self.assertTrue(layout.separate)
+    self.assertEqual(dict(layout.mesh.shape), {"data": 1, "fsdp": 1, "tensor": 4})
+    first = layout(params)
+    for got, want, s in zip(
+      jax.tree.leaves(first), jax.tree.leaves(params), jax.tree.leaves(layout.shardings)
+    ):
+      self.assertEqual(got.dtype, jnp.bfloat16)
+      self.assertEqual(got.sharding, s)
+      self.assertEqual({d.id for d in got.devices()} - {4, 5, 6, 7}, set())
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16)))
+    self.assertIs(layout(params), first)  # the same params: no copy
+    updated = jax.tree.map(lambda x: x + 1.0, params)
+    second = layout(updated)
+    self.assertTrue(first["lm_head"]["kernel"].is_deleted())
+    np.testing.assert_array_equal(
+      np.asarray(second["lm_head"]["kernel"]),
+      np.asarray(updated["lm_head"]["kernel"].astype(jnp.bfloat16)),
+    )
+    self.assertFalse(params["lm_head"]["kernel"].is_deleted())
+    with self.assertRaisesRegex(ValueError, r"others than the learner's; shared: \[3\]"):
+      decode_layout.DecodeLayout(config, mesh, devices=devices[3:])
+    with self.assertRaisesRegex(ValueError, "divisor of 4 devices, got 3"):
+      decode_layout.DecodeLayout(config, mesh, devices=devices[4:], tensor=3)
+
 
 class DecodeSamplerTest(parameterized.TestCase):
   """The session's decode program on the decode layout: same tokens, and a decode step free of

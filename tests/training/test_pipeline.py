@@ -154,6 +154,48 @@ def test_a_resumed_run_trains_the_batches_its_checkpoint_holds(program, whole, t
     trainer.train(small_config(0, num_iterations=6), str(workdir))
 
 
+@pytest.mark.slow
+def test_a_sampler_on_devices_of_its_own_runs_the_same_schedule_beside_the_update(
+  tmp_path, monkeypatch
+):
+  """`pipeline.rollout_devices=4` of the 8: the learner's state on devices 0-3, the sampler's
+  params and KV cache on 4-7, the update dispatched before the sampling it runs beside; the run
+  equals the same schedule run one step after the other."""
+  config = small_config(1, num_iterations=3)
+  config.pipeline.rollout_devices = 4
+  program = trainer.build(config)
+  try:
+    assert {d.id for d in program.mesh.devices.flat} == {0, 1, 2, 3}
+    assert {d.id for d in program.decode.mesh.devices.flat} == {4, 5, 6, 7}
+    assert program.decode.separate
+    beside = tmp_path / "beside"
+    trainer._train(config, str(beside), program)
+    sampler_params = program.decode._params
+    assert {d.id for x in jax.tree.leaves(sampler_params) for d in x.devices()} == {4, 5, 6, 7}
+    step_by_step = tmp_path / "step_by_step"
+    run = loop.run
+    monkeypatch.setattr(loop, "run", lambda *a, **kw: run(*a, **kw, overlap=False))
+    trainer._train(config, str(step_by_step), program)
+    assert _timeless(beside) == _timeless(step_by_step)
+    assert _trajectories(beside) == _trajectories(step_by_step)
+    a, _ = _restore(program, beside, 3)
+    b, _ = _restore(program, step_by_step, 3)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+    assert {d.id for x in jax.tree.leaves(a) for d in x.devices()} == {0, 1, 2, 3}
+  finally:
+    program.close()
+
+
+def test_rollout_devices_that_leave_the_learner_none_name_the_key():
+  config = small_config(1)
+  config.pipeline.rollout_devices = 8
+  with pytest.raises(
+    config_lib.ConfigError,
+    match=r"pipeline\.rollout_devices=8 leaves the learner no device of the 8; allowed: 0 to 7",
+  ):
+    trainer.build(config)
+
+
 def test_a_lag_outside_its_range_names_the_key():
   with pytest.raises(
     config_lib.ConfigError, match=r"pipeline\.lag=-1; allowed: an int in \[0, 8\]"
