@@ -9,7 +9,10 @@ and environment latency of the flags) and trains it with each lag in turn, in th
 (3600 / mean `time/iteration`), the medians of `time/rollout` (sampling the next batch) and
 `time/update` (from the update's dispatch to its metrics: with a lag, the sampling it overlaps
 included), and the speed-up over k = 0 (the ratio of iterations per hour, each round's own and
-their median).
+their median). With `--rollout_devices r` each lag > 0 also runs on a second program whose
+sampler has the last r devices to itself (`pipeline.rollout_devices`), against the same k = 0
+baseline on all the devices; simulate the devices with
+XLA_FLAGS=--xla_force_host_platform_device_count=N.
 
 Scenarios (environment latency per step, `env.latency_ms` / `env.latency_p99_ms`):
   instant     no latency: the overlap is the sampler's device work and host work with the update's
@@ -20,6 +23,7 @@ Scenarios (environment latency per step, `env.latency_ms` / `env.latency_p99_ms`
     python benchmarks/bench_async.py                                  # instant and tools
     python benchmarks/bench_async.py --scenarios=default --iterations=6 --rounds=2
     python benchmarks/bench_async.py --tasks 4 --samples 2 --iterations 2 --rounds 1 --json out.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/bench_async.py --rollout_devices=1
 """
 
 from __future__ import annotations
@@ -46,9 +50,10 @@ SCENARIOS = {  # name: (latency_ms, latency_p99_ms, use the config's own sizes)
 }
 
 
-def make_config(args, scenario: str, lag: int, iterations: int):
-  """The synthetic config of `scenario`, with `lag` and the benchmark's sizes; no evaluation but
-  the last, no logs but metrics.jsonl, checkpoints only at the end."""
+def make_config(args, scenario: str, lag: int, iterations: int, own: int = 0):
+  """The synthetic config of `scenario`, with `lag`, the sampler on `own` devices of its own (0:
+  the learner's) and the benchmark's sizes; no evaluation but the last, no logs but
+  metrics.jsonl, checkpoints only at the end."""
   latency, p99, own_sizes = SCENARIOS[scenario]
   c = synthetic_config.get_config()
   if not own_sizes:
@@ -58,6 +63,7 @@ def make_config(args, scenario: str, lag: int, iterations: int):
   c.env.latency_ms = latency
   c.env.latency_p99_ms = p99
   c.pipeline.lag = lag
+  c.pipeline.rollout_devices = own
   c.num_iterations = iterations
   c.eval.every = 0
   c.eval.num_tasks = 4
@@ -70,11 +76,11 @@ def make_config(args, scenario: str, lag: int, iterations: int):
   return c
 
 
-def run_lag(args, program, scenario: str, lag: int) -> dict:
+def run_lag(args, program, scenario: str, lag: int, own: int = 0) -> dict:
   """One training run of `warmup + iterations` iterations at `lag`; its timed iterations."""
   total = args.warmup + args.iterations
   with tempfile.TemporaryDirectory(prefix="bench_async_") as workdir:
-    trainer._train(make_config(args, scenario, lag, total), workdir, program)
+    trainer._train(make_config(args, scenario, lag, total, own), workdir, program)
     records = metrics_log.read_metrics(os.path.join(workdir, "metrics.jsonl"))
   timed = records[args.warmup :]
   seconds = [r["time/iteration"] for r in timed]
@@ -87,23 +93,42 @@ def run_lag(args, program, scenario: str, lag: int) -> dict:
   }
 
 
+def variants(args) -> list[tuple[int, int]]:
+  """(lag, devices of the sampler's own) of each run: every lag on the learner's devices, then,
+  with --rollout_devices r, every lag > 0 with the sampler on r devices of its own."""
+  out = [(lag, 0) for lag in args.lags]
+  if args.rollout_devices:
+    out += [(lag, args.rollout_devices) for lag in args.lags if lag > 0]
+  return out
+
+
+def label(lag: int, own: int) -> str:
+  return str(lag) if not own else f"{lag}, sampler on {own} of {jax.device_count()} devices"
+
+
 def run_scenario(args, scenario: str) -> dict:
-  program = trainer.build(make_config(args, scenario, 0, 1))
+  runs = variants(args)
+  programs = {}
   rounds = []
   try:
+    for own in sorted({own for _, own in runs}):
+      programs[own] = trainer.build(make_config(args, scenario, 0, 1, own))
     for r in range(args.rounds):
-      order = args.lags if r % 2 == 0 else list(reversed(args.lags))
-      rounds.append({lag: run_lag(args, program, scenario, lag) for lag in order})
+      order = runs if r % 2 == 0 else list(reversed(runs))
+      rounds.append(
+        {(lag, own): run_lag(args, programs[own], scenario, lag, own) for lag, own in order}
+      )
   finally:
-    program.close()
+    for program in programs.values():
+      program.close()
   out = {"scenario": scenario, "lags": {}}
-  base = args.lags[0]
-  for lag in args.lags:
-    per_round = [rnd[lag] for rnd in rounds]
+  base = runs[0]
+  for lag, own in runs:
+    per_round = [rnd[(lag, own)] for rnd in rounds]
     speedups = [
-      rnd[lag]["iterations_per_hour"] / rnd[base]["iterations_per_hour"] for rnd in rounds
+      rnd[(lag, own)]["iterations_per_hour"] / rnd[base]["iterations_per_hour"] for rnd in rounds
     ]
-    out["lags"][lag] = {
+    out["lags"][label(lag, own)] = {
       "iterations_per_hour": statistics.median(x["iterations_per_hour"] for x in per_round),
       "rollout_s": statistics.median(x["rollout_s"] for x in per_round),
       "update_s": statistics.median(x["update_s"] for x in per_round),
@@ -136,6 +161,13 @@ def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--scenarios", default="instant,tools")
   parser.add_argument("--lags", default="0,1,2", help="the first is the baseline of the ratios")
+  parser.add_argument(
+    "--rollout_devices",
+    type=int,
+    default=0,
+    help="also run each lag > 0 with the sampler on this many devices of its own "
+    "(pipeline.rollout_devices; simulate devices with XLA_FLAGS)",
+  )
   parser.add_argument("--tasks", type=int, default=8, help="B (not in the default scenario)")
   parser.add_argument("--samples", type=int, default=defaults.rollout.samples_per_task, help="n")
   parser.add_argument("--num-dials", type=int, default=defaults.env.num_dials, help="turns")

@@ -346,14 +346,15 @@ def test_bench_bfcl_times_our_environment_against_the_bare_official_path():
 
 @pytest.mark.slow
 def test_bench_async_times_each_lag_side_by_side(tmp_path):
-  """bench_async.py trains lag 0 and 1 on one built program; the report's ratios are per round,
-  and lag 1's runs sample one batch ahead (their metrics say so)."""
+  """bench_async.py trains lag 0 and 1 on one built program, and lag 1 with the sampler on a
+  device of its own on another (2 devices); the report's ratios are per round, over lag 0, and
+  lag 1's runs sample one batch ahead (their metrics say so)."""
   out = tmp_path / "async.json"
-  env = processes.env()
+  env = processes.env(devices=2)
   done = subprocess.run(
     [sys.executable, str(REPO / "benchmarks" / "bench_async.py")]
     + ["--scenarios=tools", "--lags=0,1", "--tasks=2", "--samples=2", "--num-dials=1"]
-    + ["--iterations=2", "--warmup=1", "--rounds=2", f"--json={out}"],
+    + ["--iterations=2", "--warmup=1", "--rounds=2", "--rollout_devices=1", f"--json={out}"],
     capture_output=True,
     text=True,
     env=env,
@@ -361,11 +362,13 @@ def test_bench_async_times_each_lag_side_by_side(tmp_path):
   )
   assert done.returncode == 0, done.stderr[-3000:]
   (result,) = json.loads(out.read_text())
-  assert result["scenario"] == "tools" and sorted(result["lags"]) == ["0", "1"]
-  base, ahead = result["lags"]["0"], result["lags"]["1"]
+  own = "1, sampler on 1 of 2 devices"
+  assert result["scenario"] == "tools" and list(result["lags"]) == ["0", "1", own]
+  base, ahead, beside = (result["lags"][k] for k in ("0", "1", own))
   assert base["speedup_per_round"] == [1.0, 1.0]
-  assert len(ahead["speedup_per_round"]) == 2 and ahead["speedup"] > 0
-  assert (base["lag_trained"], ahead["lag_trained"]) == (0, 1)
-  for x in (base, ahead):
+  for x in (ahead, beside):
+    assert len(x["speedup_per_round"]) == 2 and x["speedup"] > 0
+  assert (base["lag_trained"], ahead["lag_trained"], beside["lag_trained"]) == (0, 1, 1)
+  for x in (base, ahead, beside):
     assert x["iterations_per_hour"] > 0 and x["rollout_s"] > 0.0  # the tools' latency included
-  assert "| tools | 1 |" in done.stdout
+  assert "| tools | 1 |" in done.stdout and f"| tools | {own} |" in done.stdout
