@@ -132,7 +132,7 @@ def pytest_unconfigure(config):
     shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
-MAX_MEMORY_MAPS = 24_000
+MAX_MEMORY_MAPS = 40_000
 """A test process's memory maps beyond which it drops JAX's compiled programs after a test.
 
 XLA's CPU backend maps each kernel of a compiled program into memory on its own (a code, a data

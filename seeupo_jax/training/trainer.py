@@ -385,8 +385,8 @@ def _train_typed(
 def _close_uploader_after(error: BaseException, uploader: remote.Uploader) -> None:
   """Closes `uploader` on the way out of a run that raised `error`. After a stop on a signal
   (`Preempted`, its checkpoint saved) the last copy is made and waited for, and a copy that
-  fails is what the run reports (the VM's disk may not outlive it); after a failure, the copies
-  requested so far finish and a copy that fails is a warning beside the failure."""
+  fails is what the run reports (a preempted machine's disk may not outlive it); after a
+  failure, the copies requested so far finish and a copy that fails is a warning beside it."""
   if isinstance(error, Preempted):
     uploader.close()
     return
