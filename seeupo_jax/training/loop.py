@@ -17,8 +17,8 @@ B_{i+k} is sampled with the params the update of B_i starts from. With the sampl
 its own (`pipeline.rollout_devices`) the update is dispatched first and both run at once; on the
 learner's devices it is dispatched at the rollout's first wait for the environments
 (`Roller.run(on_env_wait=)`: after a decode round, every live episode waiting on a tool call), so
-its device time runs in the environments' time, and after the rollout if that never waits (the
-schedule, the prologue and what a checkpoint holds: `pipeline.py`).
+its device time runs in the environments' time, and after the rollout if that never waits; with
+many processes, first (the schedule, the prologue and what a checkpoint holds: `pipeline.py`).
 
 The loop writes no file itself: the writers are the caller's (`trainer.train`).
 """
@@ -174,7 +174,11 @@ def run(
         pending.append(pipeline.Sampled(sample(params, k_rollout), iteration))
         rollout_time = time.perf_counter() - t_sample
       else:  # B_{i+k} with theta_{i-1}, while the update runs
-        if program.decode.separate:  # the sampler's own devices: the update at once
+        if program.decode.separate or program.processes.count > 1:
+          # The update at once: beside a sampler on devices of its own; with many processes at
+          # the same point on each (it is a collective of theirs, and a rollout that never waits
+          # for its environments would dispatch it after the processes' next exchange of
+          # groups or metrics, which waits for the devices the update holds).
           dispatch_update()
         # Else the update is dispatched at the rollout's first wait for the environments.
         t_sample = time.perf_counter()
