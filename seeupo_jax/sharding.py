@@ -44,6 +44,12 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
   (r"attn/o_proj/bias$", P(None, None)),  # [L, D], Qwen3 with attention_bias only
   (r"mlp/(gate|up)_proj/kernel$", P(None, "fsdp", "tensor")),  # [L, D, F]
   (r"mlp/down_proj/kernel$", P(None, "tensor", "fsdp")),  # [L, F, D]
+  # LoRA adapters (models/lora.py): A [L, in, r] split like its kernel's input features, B
+  # [L, r, out] like its output features, so x A and (x A) B need no other layout than x W's.
+  (r"(attn/[qkv]_proj|mlp/(gate|up)_proj)/lora_a$", P(None, "fsdp", None)),
+  (r"(attn/[qkv]_proj|mlp/(gate|up)_proj)/lora_b$", P(None, None, "tensor")),
+  (r"(attn/o_proj|mlp/down_proj)/lora_a$", P(None, "tensor", None)),
+  (r"(attn/o_proj|mlp/down_proj)/lora_b$", P(None, None, "fsdp")),
   (r"scale$", P()),  # norms
 )
 

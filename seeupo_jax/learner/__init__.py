@@ -36,8 +36,12 @@ from seeupo_jax.learner.state import (
   TrainState,
   init_state,
   opt_state_shardings,
+  policy_params,
+  reference_params,
   shard_params,
   state_shardings,
+  with_base,
+  without_base,
 )
 from seeupo_jax.learner.optimizer import default_optimizer
 from seeupo_jax.learner.update import StepStats, make_update

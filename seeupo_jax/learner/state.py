@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import flax
@@ -12,13 +13,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from seeupo_jax import sharding as sharding_lib
 from seeupo_jax.learner import precision
+from seeupo_jax.models import lora
 
 Params = Any
 
 
 @flax.struct.dataclass
-class TrainState:
-  """The learner's state (a pytree; jit donates it).
+class SavedState:
+  """What checkpoints hold of a `TrainState`: every field but `base` (the frozen base is loaded
+  again as it was first), so checkpoints of full fine-tuning keep the tree they always had.
 
   Attributes:
     params: the policy's params, in the dtype the model computes with (the sampler's too).
@@ -41,6 +44,44 @@ class TrainState:
   step: jax.Array
   optimizer_steps: jax.Array
   skipped_updates: jax.Array
+
+
+@flax.struct.dataclass
+class TrainState(SavedState):
+  """The learner's state (a pytree; jit donates it): `SavedState`'s fields, and
+
+  Attributes:
+    base: with adapters (LoRA, `models/lora.py`), the frozen base weights: `params` holds only
+      the adapters, the policy is `policy_params(state)` (the base with the adapters beside
+      it), and the KL reference is the base alone. None: `params` is the whole policy.
+      Checkpoints leave it out (`without_base`).
+  """
+
+  base: Optional[Params] = None
+
+
+def policy_params(state: TrainState) -> Params:
+  """The params the policy runs with: `state.params`, beside `state.base` when it has one
+  (`lora.combine`: the base's nested dicts with the adapters added, no leaf copied)."""
+  return state.params if state.base is None else lora.combine(state.base, state.params)
+
+
+def reference_params(state: TrainState) -> Optional[Params]:
+  """The KL reference: `state.ref_params`, else the frozen base (adapters left out)."""
+  return state.ref_params if state.ref_params is not None else state.base
+
+
+_SAVED_FIELDS = tuple(f.name for f in dataclasses.fields(SavedState))
+
+
+def without_base(state: TrainState) -> SavedState:
+  """The state as checkpoints hold it (`SavedState`: the frozen base left out)."""
+  return SavedState(**{f: getattr(state, f) for f in _SAVED_FIELDS})
+
+
+def with_base(saved: SavedState, base: Optional[Params]) -> TrainState:
+  """The `TrainState` of a restored `SavedState` and the frozen `base` (None without one)."""
+  return TrainState(**{f: getattr(saved, f) for f in _SAVED_FIELDS}, base=base)
 
 
 def _replicated_like(tree) -> Any:
@@ -100,6 +141,7 @@ def init_state(
   critic_params: Optional[Params] = None,
   critic_optimizer: Optional[optax.GradientTransformation] = None,
   master_weights: bool = True,
+  base: Optional[Params] = None,
 ) -> TrainState:
   """The state before the first update.
 
@@ -119,6 +161,9 @@ def init_state(
       rounded). Without masters AdamW's small steps round away (logged once as a warning with
       the share of weights lost). No effect on float32 params or an optimizer already wrapped.
       `make_update` follows the state: pass it the unwrapped optimizer.
+    base: frozen weights the trained `params` (LoRA adapters: `lora.split`) sit beside; no
+      optimizer state, no master copy, no gradient. With a base and no `ref_params` the KL
+      reference is the base.
 
   Returns:
     A `TrainState` with step 0.
@@ -146,6 +191,7 @@ def init_state(
     step=_counter(params),
     optimizer_steps=_counter(params),
     skipped_updates=_counter(params),
+    base=base,
   )
 
 

@@ -60,6 +60,7 @@ from seeupo_jax.learner import objectives
 from seeupo_jax.learner import precision
 from seeupo_jax.learner import shapes as shape_lib
 from seeupo_jax.learner import sharded_jit
+from seeupo_jax.learner import state as state_lib
 from seeupo_jax.learner.batch import Batch
 from seeupo_jax.learner.config import LearnerConfig
 from seeupo_jax.learner.optimizer import default_optimizer  # noqa: F401
@@ -248,7 +249,8 @@ def _micro_grads(
   token_weight = jnp.sum(sub.mask) / jnp.maximum(token_denominator, 1.0)
 
   def loss_fn(params, critic_params, prefix):
-    logp = shape_lib.prefix_logprobs(fns.logprob_fn, params, sub_batch, prefix)
+    policy = state_lib.policy_params(state.replace(params=params))  # with a frozen base (LoRA)
+    logp = shape_lib.prefix_logprobs(fns.logprob_fn, policy, sub_batch, prefix)
     seen = jax.lax.stop_gradient(logp)
     loss_inputs, applied = objectives.turn_inputs(seen, sub, sub_correction, config)
     loss, metrics = objectives.policy_loss(logp, loss_inputs, config)
@@ -454,7 +456,7 @@ def _optimise_from_start(
     applied = shape_lib.scatter_rows(step.rows, step.correction, n)
     stats = jax.tree.map(lambda x: x[None, None], step.stats)
     return OptimiseResult(step.state, stats, first_logp, applied)
-  first_logp = _logprobs(fns, state.params, batch, first_shape)
+  first_logp = _logprobs(fns, state_lib.policy_params(state), batch, first_shape)
   loss_inputs, applied = objectives.turn_inputs(first_logp, inputs, correction, fns.config)
   loss_inputs = loss_inputs._replace(old_logp=first_logp)
   state, stats = _optimise(fns, state, batch, loss_inputs, key, steps_shape)
@@ -559,7 +561,7 @@ def _sequential_update(fns, state, batch, generated, advantages, ref_logp, key) 
     custom=config.custom_order or None,
   )
   has_turn = batch_lib.turns_present(batch, config.num_turns)  # bool[T] by turn id
-  sizes = shape_lib.prefix_lengths(config, fns.logprob_fn, state.params, batch)
+  sizes = shape_lib.prefix_lengths(config, fns.logprob_fn, state_lib.policy_params(state), batch)
   body = functools.partial(
     _update_turn, fns, batch, generated, advantages, ref_logp, sizes, turn_key
   )
@@ -647,10 +649,11 @@ def _sequential_metrics(result: SequentialResult) -> dict[str, Array]:
 
 def _check_state(fns: UpdateFns, state: TrainState) -> None:
   config = fns.config
-  if config.kl_coef > 0 and state.ref_params is None:
+  if config.kl_coef > 0 and state_lib.reference_params(state) is None:
     raise ValueError(
       "LearnerConfig.kl_coef > 0 needs reference params: init_state(params, optimizer, "
-      "ref_params=params), or set kl_coef=0"
+      "ref_params=params) (or a frozen base: init_state(adapters, optimizer, base=base)), or "
+      "set kl_coef=0"
     )
   if config.spec.critic != (state.critic_params is not None):
     raise ValueError(
@@ -668,7 +671,7 @@ def update(fns: UpdateFns, state: TrainState, batch: Batch, key: Array):
   mask = batch_lib.generated_mask(batch, config.num_turns)
   ref_logp = None
   if config.kl_coef > 0:
-    ref_logp = _logprobs(fns, state.ref_params, batch)
+    ref_logp = _logprobs(fns, state_lib.reference_params(state), batch)
   advantages, old_values, returns = _ADVANTAGE_ESTIMATORS[config.spec.advantage](
     fns, state, batch, mask
   )
@@ -679,7 +682,7 @@ def update(fns: UpdateFns, state: TrainState, batch: Batch, key: Array):
     if tis:
       # The turns start from params that move; TIS weighs the sampler against the params the
       # rollout was drawn with, once for all turns (one forward pass; M handles the rest).
-      start_logp = _logprobs(fns, state.params, batch)
+      start_logp = _logprobs(fns, state_lib.policy_params(state), batch)
       weights = objectives.sampler_weights(
         start_logp, batch.sample_logp, mask, config, segments=batch.turn_ids
       )

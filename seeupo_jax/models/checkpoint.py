@@ -184,6 +184,7 @@ def load_params(
       embedding.
   """
   source = _TensorSource(directory)
+  config = config.replace(lora_rank=0)  # a HF checkpoint holds the base; adapters: models/lora.py
   shapes = qwen.params_shape(config)
   if shardings is None:
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

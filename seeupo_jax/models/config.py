@@ -13,6 +13,7 @@ from typing import Any
 from seeupo_jax import fields
 
 DTYPES = ("float32", "bfloat16")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 _POSITIVE = fields.int_at_least(1)
 
@@ -49,6 +50,9 @@ class ModelConfig:
           not grow with depth) instead of unrolling them.
       attn_block_size: query block length of the causal attention
           (`layers.causal_attend`); 32 is fastest on the 2-core benchmark CPU.
+      lora_rank: r of the LoRA adapters (`models/lora.py`) the params hold; 0: none.
+      lora_alpha: the adapters' alpha; their output is scaled by alpha / r (`lora_scale`).
+      lora_targets: the projections that get an adapter (of `LORA_TARGETS`).
   """
 
   vocab_size: int = fields.field(_POSITIVE)
@@ -69,6 +73,11 @@ class ModelConfig:
   remat: str = fields.field(fields.one_of(REMAT_POLICIES), "none")
   scan_layers: bool = fields.field(fields.BOOL, True)
   attn_block_size: int = fields.field(_POSITIVE, 128)
+  lora_rank: int = fields.field(fields.described(fields.int_at_least(0), "0: no adapters"), 0)
+  lora_alpha: float = fields.field(fields.number_above(0), 16.0)
+  lora_targets: tuple = fields.field(
+    fields.described(fields.tuple_of(fields.one_of(LORA_TARGETS)), "at least one"), LORA_TARGETS
+  )
 
   def __post_init__(self):
     fields.check(self)
@@ -78,6 +87,10 @@ class ModelConfig:
         "num_heads",
         self.num_heads,
         f"a multiple of ModelConfig.num_kv_heads = {self.num_kv_heads}",
+      )
+    if self.lora_rank and not self.lora_targets:
+      raise fields.FieldError.of(
+        "ModelConfig", "lora_targets", self.lora_targets, f"some of {list(LORA_TARGETS)}"
       )
     if self.head_dim % 2:
       raise fields.FieldError.of("ModelConfig", "head_dim", self.head_dim, "an even int (RoPE)")
@@ -91,6 +104,11 @@ class ModelConfig:
   def o_proj_bias(self) -> bool:
     """o_proj carries a bias [D]: Qwen3 with attention_bias (Qwen2 never biases o_proj)."""
     return self.qk_norm and self.attention_bias
+
+  @property
+  def lora_scale(self) -> float:
+    """alpha / r, the factor of the adapters' output (1.0 without adapters)."""
+    return self.lora_alpha / self.lora_rank if self.lora_rank else 1.0
 
   def replace(self, **changes: Any) -> "ModelConfig":
     """Returns a copy with `changes` applied (validated again)."""

@@ -108,6 +108,25 @@ class _Kernel(nn.Module):
     return kernel, self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
 
 
+def _lora_delta(module: nn.Module, name: str, x: jax.Array, scale: float, dtype):
+  """scale * (x A) B for projection `name` of `module` where the params hold its adapter
+  (`models/lora.py`: `<name>/lora_a` [in, r], `<name>/lora_b` [r, out]), else None.
+
+  x [..., in] -> [..., out] in dtype. The adapters are read, not declared: the same module runs
+  the base (no adapters in its params) and the adapted policy.
+  """
+  params = module.variables.get("params", {}).get(name, {})
+  if "lora_a" not in params:
+    return None
+  a, b = params["lora_a"].astype(dtype), params["lora_b"].astype(dtype)
+  low = jnp.einsum("...i,ir->...r", x.astype(dtype), a)
+  return (jnp.einsum("...r,ro->...o", low, b) * jnp.asarray(scale, dtype)).astype(dtype)
+
+
+def _plus(y: jax.Array, delta) -> jax.Array:
+  return y if delta is None else y + delta
+
+
 def _grouped_qkv(x, kernels, biases, num_kv_heads, head_dim, dtype):
   """q, k, v projections of x as one matmul, grouped by kv head.
 
@@ -501,6 +520,12 @@ class Attention(nn.Module):
     q, k, v = _grouped_qkv(
       x, [w for w, _ in params], [bias for _, bias in params], c.num_kv_heads, c.head_dim, dt
     )
+    heads = {"q_proj": q, "k_proj": k, "v_proj": v}
+    for name, y in heads.items():
+      delta = _lora_delta(self, name, x, c.lora_scale, dt)
+      if delta is not None:
+        heads[name] = y + delta.reshape(y.shape)
+    q, k, v = heads["q_proj"], heads["k_proj"], heads["v_proj"]
     if c.qk_norm:
       q = RMSNorm(c.rms_norm_eps, dt, pdt, name="q_norm")(q)
       k = RMSNorm(c.rms_norm_eps, dt, pdt, name="k_norm")(k)
@@ -512,8 +537,8 @@ class Attention(nn.Module):
       out = paged_attend(q, k, v, past_k, past_v, mask)
     else:
       out = cached_attend(q, k, v, past_k, past_v, mask)
-    out = _dense(c.hidden_size, c.o_proj_bias, "o_proj", dt, pdt)(out)
-    return out, k, v
+    projected = _dense(c.hidden_size, c.o_proj_bias, "o_proj", dt, pdt)(out)
+    return _plus(projected, _lora_delta(self, "o_proj", out, c.lora_scale, dt)), k, v
 
 
 class MLP(nn.Module):
@@ -531,9 +556,11 @@ class MLP(nn.Module):
       [_Kernel(d, f, False, pdt, name=n)()[0] for n in ("gate_proj", "up_proj")], axis=1
     ).astype(dt)
     gate_up = jnp.einsum("bsd,dcf->bscf", x.astype(dt), w)
-    gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
+    gate = _plus(gate_up[:, :, 0], _lora_delta(self, "gate_proj", x, c.lora_scale, dt))
+    up = _plus(gate_up[:, :, 1], _lora_delta(self, "up_proj", x, c.lora_scale, dt))
     hidden = sharding.constrain(nn.silu(gate) * up, sharding.MLP_HIDDEN)
-    return _dense(c.hidden_size, False, "down_proj", dt, pdt)(hidden)
+    down = _dense(c.hidden_size, False, "down_proj", dt, pdt)(hidden)
+    return _plus(down, _lora_delta(self, "down_proj", hidden, c.lora_scale, dt))
 
 
 class DecoderLayer(nn.Module):

@@ -6,7 +6,8 @@ settings: with `scan_layers=True` the stack runs under `lax.scan` (compile time
 independent of depth), otherwise it is unrolled. Each block may be
 rematerialised with a named policy (`config.remat`).
 
-Params pytree:
+Params pytree (with LoRA adapters beside the adapted kernels when config.lora_rank > 0:
+`models/lora.py`):
   embed/embedding            [V, D]
   layers/input_norm/scale    [L, D]
   layers/attn/{q,k,v}_proj/{kernel [L, D, N*hd], bias [L, N*hd] if attention_bias}
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 
 from seeupo_jax import sharding
 from seeupo_jax.models import layers
+from seeupo_jax.models import lora
 from seeupo_jax.models.config import ModelConfig
 
 Params = Any
@@ -110,7 +112,8 @@ def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int) -> Pag
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
-  """Random parameters (normal(0.02) weights, zero biases, unit norm scales)."""
+  """Random parameters (normal(0.02) weights, zero biases, unit norm scales), with fresh LoRA
+  adapters (`lora.init_adapters`, from `fold_in(key, 1)`) when `config.lora_rank` > 0."""
   k_embed, k_layers, k_head = jax.random.split(key, 3)
   pdt = jnp.dtype(config.param_dtype)
   d = config.hidden_size
@@ -128,7 +131,7 @@ def init_params(config: ModelConfig, key: jax.Array) -> Params:
   }
   if not config.tie_word_embeddings:
     params["lm_head"] = {"kernel": 0.02 * jax.random.normal(k_head, (d, config.vocab_size), pdt)}
-  return params
+  return lora.combine(params, lora.init_adapters(config, jax.random.fold_in(key, 1)))
 
 
 def params_shape(config: ModelConfig) -> Params:

@@ -1,0 +1,163 @@
+"""LoRA through the learner: adapters trained beside a frozen base (`init_state(..., base=)`).
+
+The adapters' gradients are checked against the whole model's: with W' = W + s A B the loss
+depends on A and B only through W', so dL/dA = s G B^T and dL/dB = s A^T G, G = dL/dW' (the
+chain rule). One plain-SGD step of the full-parameter update at the merged weights W' gives
+G = (W' - W'_new) / lr; NumPy (float64) predicts the adapters' SGD step from it, and the
+adapter update must take that step.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from seeupo_jax import learner
+from seeupo_jax.models import lora
+from seeupo_jax.models import qwen
+import tiny
+
+LR = 0.5
+RANK, ALPHA = 4, 8.0
+
+
+def _config():
+  return tiny.model_config().replace(lora_rank=RANK, lora_alpha=ALPHA)
+
+
+def _rollout(config, params):
+  """N = 4 one-turn rows: prompt 5, then 6 tokens sampled from the adapted model."""
+  from seeupo_jax import sampling  # noqa: PLC0415
+
+  n, prompt_len, new = 4, 5, 6
+  sample = sampling.make_sampler(config, sampling.SamplingConfig(max_new_tokens=new))
+  rng = np.random.default_rng(3)
+  prompt = jnp.asarray(rng.integers(1, config.vocab_size, (n, prompt_len)), jnp.int32)
+  out = sample(params, prompt, jnp.ones(prompt.shape, bool), jax.random.key(1))
+  assert np.all(np.asarray(out.lengths) == new)
+  tokens = np.asarray(jnp.concatenate([prompt, out.tokens], axis=1))
+  turn_ids = np.full(tokens.shape, -1, np.int32)
+  turn_ids[:, prompt_len:] = 0
+  sample_logp = np.zeros(tokens.shape, np.float32)
+  sample_logp[:, prompt_len:] = np.asarray(out.logprobs)
+  return learner.Batch(
+    tokens=tokens,
+    token_valid=np.ones(tokens.shape, bool),
+    turn_ids=turn_ids,
+    sample_logp=sample_logp,
+    rewards=np.array([1.0, 0.0, 0.5, 0.2], np.float32),
+    group_ids=np.zeros(n, np.int32),
+    row_valid=np.ones(n, bool),
+  )
+
+
+@pytest.fixture(scope="module")
+def adapted():
+  """(config, params with non-zero adapters (B too, so both gradients are non-zero), batch)."""
+  config = _config()
+  params = qwen.init_params(config, jax.random.key(0))
+  adapters, base = lora.split(params)
+  base = jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, base)  # sharper samples
+  keys = iter(jax.random.split(jax.random.key(7), 64))
+  adapters = jax.tree.map(
+    lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape, x.dtype), adapters
+  )
+  params = lora.combine(base, adapters)
+  return config, params, _rollout(config, params)
+
+
+def _grpo(config):
+  return learner.make_update(
+    learner.qwen_logprob_fn(config),
+    optax.sgd(LR),
+    learner.LearnerConfig(algorithm="grpo", num_turns=1, kl_coef=0.0),
+  )
+
+
+def test_adapter_step_is_the_chain_rule_of_the_full_models(adapted):
+  config, params, batch = adapted
+  batch = jax.tree.map(jnp.asarray, batch)
+  adapters, base = lora.split(params)
+  merged = lora.merge(params, config.lora_scale)
+
+  # The whole model at W' = W + s A B, one SGD step: G = (W' - W'_new) / lr.
+  full_state = learner.init_state(jax.tree.map(jnp.copy, merged), optax.sgd(LR))
+  full_state, full_metrics = _grpo(config)(full_state, batch, jax.random.key(0))
+  assert full_metrics["optimizer_steps"] == 1
+
+  state = learner.init_state(
+    jax.tree.map(jnp.copy, adapters), optax.sgd(LR), base=jax.tree.map(jnp.copy, base)
+  )
+  state, metrics = _grpo(config)(state, batch, jax.random.key(0))
+  assert metrics["optimizer_steps"] == 1
+  np.testing.assert_allclose(metrics["loss"], full_metrics["loss"], rtol=1e-5, atol=1e-7)
+
+  s = config.lora_scale
+  for module, projections in adapters["layers"].items():
+    for name, ab in projections.items():
+      w_old = np.asarray(merged["layers"][module][name]["kernel"], np.float64)
+      w_new = np.asarray(full_state.params["layers"][module][name]["kernel"], np.float64)
+      g = (w_old - w_new) / LR  # [L, in, out]
+      a = np.asarray(ab["lora_a"], np.float64)
+      b = np.asarray(ab["lora_b"], np.float64)
+      want_a = a - LR * s * np.einsum("lio,lro->lir", g, b)
+      want_b = b - LR * s * np.einsum("lir,lio->lro", a, g)
+      got = state.params["layers"][module][name]
+      moved = np.abs(want_b - b).max()
+      assert moved > 1e-4, (module, name, moved)  # the check can fail
+      for got_x, want, old in ((got["lora_a"], want_a, a), (got["lora_b"], want_b, b)):
+        step_err = np.abs(np.asarray(got_x, np.float64) - want).max()
+        step_size = np.abs(want - old).max()
+        assert step_err <= 2e-3 * step_size + 1e-6, (module, name, step_err, step_size)
+  # The base is frozen: the very values it had, and no optimizer state of its own.
+  for x, y in zip(jax.tree.leaves(state.base), jax.tree.leaves(base)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_seeupo_trains_adapters_with_the_base_as_kl_reference(adapted):
+  config, params, batch = adapted
+  batch = jax.tree.map(jnp.asarray, batch)
+  adapters, base = lora.split(params)
+  zero_b = jax.tree_util.tree_map_with_path(
+    lambda p, x: jnp.zeros_like(x) if str(p[-1].key) == "lora_b" else x, adapters
+  )
+  optimizer = learner.default_optimizer(learning_rate=1e-2)
+  step = learner.make_update(
+    learner.qwen_logprob_fn(config),
+    optimizer,
+    learner.LearnerConfig(algorithm="seeupo", num_turns=1, kl_coef=0.1),
+  )
+  # B = 0: the adapted policy is the base, so the KL to the reference (the base) is 0.
+  state = learner.init_state(
+    jax.tree.map(jnp.copy, zero_b), optimizer, base=jax.tree.map(jnp.copy, base)
+  )
+  assert learner.reference_params(state) is state.base
+  opt_leaves = [x for x in jax.tree.leaves(state.opt_state) if getattr(x, "ndim", 0) >= 2]
+  assert sum(x.size for x in opt_leaves) == 2 * sum(x.size for x in jax.tree.leaves(zero_b))
+  state, metrics = step(state, batch, jax.random.key(0))
+  assert abs(float(metrics["kl"])) < 1e-6
+  assert metrics["optimizer_steps"] == 1
+  moved = [
+    float(jnp.max(jnp.abs(x - y)))
+    for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(zero_b))
+  ]
+  assert max(moved) > 1e-4
+  for x, y in zip(jax.tree.leaves(state.base), jax.tree.leaves(base)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # With the adapters moved the policy differs from the reference: the next KL is not 0.
+  _, metrics = step(state, batch, jax.random.key(1))
+  assert float(metrics["kl"]) > 1e-8
+
+
+def test_kl_needs_a_reference_or_a_base(adapted):
+  config, params, batch = adapted
+  adapters, _ = lora.split(params)
+  step = learner.make_update(
+    learner.qwen_logprob_fn(config),
+    optax.sgd(LR),
+    learner.LearnerConfig(algorithm="seeupo", num_turns=1, kl_coef=0.1),
+    jit=False,
+  )
+  with pytest.raises(ValueError, match="frozen base"):
+    step(learner.init_state(adapters, optax.sgd(LR)), jax.tree.map(jnp.asarray, batch), None)
