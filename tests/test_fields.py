@@ -86,6 +86,7 @@ CONFIG_CLASSES = [
   bfcl.BfclConfig,
   appworld.AppWorldConfig,
   config_lib.ModelSection,
+  config_lib.LoraSection,
   config_lib.RolloutSection,
   config_lib.OptimizerSection,
   config_lib.EvalSection,

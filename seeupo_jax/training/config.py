@@ -84,9 +84,30 @@ def _optimizer_default(name: str) -> Any:
   return inspect.signature(learner.default_optimizer).parameters[name].default
 
 
+def _lora_targets_ok(value) -> bool:
+  names = value.split(",") if isinstance(value, str) else []
+  return bool(names) and all(n in model_config_lib.LORA_TARGETS for n in names)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraSection:
+  """`model.lora`: LoRA adapters (`models/lora.py`). rank > 0 trains adapters of that rank on
+  the `targets` projections beside the frozen base; 0 trains every weight."""
+
+  rank: int = _like(model_config_lib.ModelConfig, "lora_rank")
+  alpha: float = _like(model_config_lib.ModelConfig, "lora_alpha")
+  targets: str = fields.field(
+    fields.Allowed(
+      _lora_targets_ok,
+      f"comma-separated names of {list(model_config_lib.LORA_TARGETS)} (at least one)",
+    ),
+    ",".join(model_config_lib.LORA_TARGETS),
+  )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSection:
-  """`model`: which model, in which dtypes (`program.build_model_config`)."""
+  """`model`: which model, in which dtypes (`program.build_model_config`), with which adapters."""
 
   preset: str = fields.field(fields.STRING, "")  # used when path is empty ("": none)
   path: str = fields.field(fields.STRING, "")  # a local HF checkpoint directory
@@ -94,6 +115,10 @@ class ModelSection:
   param_dtype: str = _like(model_config_lib.ModelConfig, "param_dtype")
   remat: str = _like(model_config_lib.ModelConfig, "remat")
   scan_layers: bool = _like(model_config_lib.ModelConfig, "scan_layers")
+  lora: LoraSection = fields.field(
+    fields.Allowed(lambda v: isinstance(v, LoraSection), "the section model.lora"),
+    default_factory=LoraSection,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +337,9 @@ def _section_defaults(cls, skip: tuple[str, ...] = ()) -> ml_collections.ConfigD
     value = f.default
     if value is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
       value = f.default_factory()
+    if dataclasses.is_dataclass(value):  # a section within the section (model.lora)
+      section[f.name] = _section_defaults(type(value))
+      continue
     if value is dataclasses.MISSING or value is None:
       value = _placeholder(str(f.type))
     section[f.name] = value
@@ -354,6 +382,13 @@ def _section(cls, values: Any, name: str, problems: list[str]):
     return None
   names = [f.name for f in dataclasses.fields(cls)]
   values = _keys_of(values, names, f"{name}.", problems)
+  for f in dataclasses.fields(cls):  # a section within the section (model.lora)
+    if f.name in values and f.default_factory is not dataclasses.MISSING:
+      inner = type(f.default_factory())
+      if dataclasses.is_dataclass(inner):
+        values[f.name] = _section(inner, values[f.name], f"{name}.{f.name}", problems)
+        if values[f.name] is None:
+          return None
   if len(values) < len(names):
     return None
   section = cls(**values)

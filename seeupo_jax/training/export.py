@@ -8,6 +8,8 @@ import os
 from absl import logging
 
 from seeupo_jax import distributed
+from seeupo_jax import learner
+from seeupo_jax.models import lora
 from seeupo_jax.models import checkpoint as hf_checkpoint
 
 HF_POLICY_DIR = "hf_policy"
@@ -19,9 +21,12 @@ def save_hf(workdir: str, program, state) -> None:
   Args:
     workdir: the run's directory.
     program: the built `program.Program` (its model config, tokenizer and processes).
-    state: the learner's `TrainState`; its params are exported.
+    state: the learner's `TrainState`; its policy is exported (with LoRA, the adapters merged
+      into the base's kernels).
   """
-  params = state.params
+  params = learner.policy_params(state)
+  if program.model_config.lora_rank:  # the adapters merged: W + alpha / r * A B
+    params = lora.merge(params, program.model_config.lora_scale)
   if program.processes.count > 1:  # every process takes part; process 0 writes
     params = distributed.fetch(params)
   if program.processes.is_main:

@@ -127,7 +127,7 @@ def run(
       return program.decode(params)
 
   if lag and pending is None:  # a fresh run: B_1 .. B_k from theta_0 (`pipeline` docstring)
-    first = decode_params(state.params)
+    first = decode_params(learner.policy_params(state))
     pending = [
       pipeline.Sampled(sample(first, pipeline.prologue_key(config.seed, j)), 0)
       for j in range(1, lag + 1)
@@ -138,7 +138,9 @@ def run(
       t0 = time.perf_counter()
       rng, k_rollout, k_update = jax.random.split(rng, 3)
       rollout_time = 0.0
-      params = decode_params(state.params)  # theta_{i-1}: before the update donates it
+      params = decode_params(
+        learner.policy_params(state)
+      )  # theta_{i-1}: before the update donates it
       if not lag:
         this = pipeline.Sampled(sample(params, k_rollout), iteration)
         rollout_time = time.perf_counter() - t0
@@ -209,7 +211,13 @@ def run(
         progress = {"iteration": iteration, "task_position": stream.position}
         if lag:
           progress[pipeline.PROGRESS_KEY] = pipeline.to_progress(pending, program.processes)
-        checkpointer.save(iteration, state, rng, progress, force=final or timed or bool(stop))
+        checkpointer.save(
+          iteration,
+          learner.without_base(state),  # the adapters without the frozen base (LoRA)
+          rng,
+          progress,
+          force=final or timed or bool(stop),
+        )
         timer.restart()
       if stop is not None and not final:
         raise preemption_lib.Preempted(iteration, stop, checkpointer.directory)
@@ -269,7 +277,7 @@ def _evaluate(program: Program, state, eval_ids, config, iteration: int, k: int)
   with jax.set_mesh(program.decode.mesh):  # the sampler on the decode layout
     scores = evaluation.evaluate(
       program.eval_roller,
-      program.decode(state.params),
+      program.decode(learner.policy_params(state)),
       eval_ids,
       k_eval,
       _eval_key(config.seed, iteration),

@@ -28,6 +28,7 @@ from seeupo_jax import sharding as sharding_lib
 from seeupo_jax.text import tokenizer as tokenizer_lib
 from seeupo_jax.models import checkpoint as hf_checkpoint
 from seeupo_jax.models import config as model_config_lib
+from seeupo_jax.models import lora
 from seeupo_jax.models import qwen
 from seeupo_jax.training import config as config_lib
 
@@ -77,7 +78,15 @@ class Program:
 
 
 def _model_overrides(m: config_lib.ModelSection) -> dict[str, Any]:
-  return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, scan_layers=m.scan_layers)
+  return dict(
+    dtype=m.dtype,
+    param_dtype=m.param_dtype,
+    remat=m.remat,
+    scan_layers=m.scan_layers,
+    lora_rank=m.lora.rank,
+    lora_alpha=m.lora.alpha,
+    lora_targets=tuple(m.lora.targets.split(",")),
+  )
 
 
 def build_model_config(config: TrainConfig) -> model_config_lib.ModelConfig:
@@ -115,9 +124,10 @@ def build_model(config: TrainConfig):
     except (OSError, ValueError) as e:
       raise ConfigError(f"model.path={m.path!r}: {e}") from e
 
-    def load(mesh, key):
-      del key
-      return hf_checkpoint.load(m.path, mesh, **overrides)[1]
+    def load(mesh, key):  # the checkpoint's weights, and fresh adapters with LoRA
+      params = hf_checkpoint.load(m.path, mesh, **overrides)[1]
+      adapters = lora.init_adapters(model_config, jax.random.fold_in(key, 1))
+      return lora.combine(params, learner.shard_params(adapters, mesh))
 
   else:
     model_config = build_model_config(config)
@@ -308,12 +318,16 @@ def build(config: TrainConfig) -> Program:
     key = jax.random.key(config.seed)
     k_params, k_critic = jax.random.split(key)
     params = load_params(mesh, k_params)
+    base = None
+    if model_config.lora_rank:  # train the adapters; the base stays frozen (and is the reference)
+      params, base = lora.split(params)
     critic = None
     if ppo:
-      # The critic's trunk starts as a copy of the policy (its own buffers: the update donates both).
-      trunk = jax.tree.map(jnp.copy, params)
+      # The critic's trunk starts as a copy of the policy's weights (its own buffers: the update
+      # donates both); with LoRA the base's, trained whole.
+      trunk = jax.tree.map(jnp.copy, params if base is None else base)
       critic = learner.shard_params(learner.init_qwen_critic(model_config, k_critic, trunk), mesh)
-    ref = params if learner_config.kl_coef > 0 else None
+    ref = params if learner_config.kl_coef > 0 and base is None else None
     return learner.init_state(
       params,
       optimizer,
@@ -321,6 +335,7 @@ def build(config: TrainConfig) -> Program:
       critic_params=critic,
       critic_optimizer=critic_optimizer,
       master_weights=config.optimizer.master_weights,
+      base=base,
     )
 
   return Program(

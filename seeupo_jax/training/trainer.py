@@ -50,7 +50,7 @@ import ml_collections
 
 from seeupo_jax import distributed
 from seeupo_jax import envs
-from seeupo_jax import learner  # noqa: F401  (`trainer.learner`: the package `build` calls)
+from seeupo_jax import learner
 from seeupo_jax import rollout
 from seeupo_jax.learner import dapo
 from seeupo_jax.training import checkpoints
@@ -271,7 +271,14 @@ def _restore(checkpointer: checkpoints.Checkpointer, workdir: str, what: str, st
   """`checkpointer.restore_latest`, its refusals as ConfigError (a changed config or model)
   or WorkdirError (no checkpoint can be read)."""
   try:
-    return checkpointer.restore_latest(checkpoints.abstract_of(state), checkpoints.abstract_of(rng))
+    # Without the frozen base (LoRA): checkpoints hold the adapters; the base is `state`'s.
+    restored = checkpointer.restore_latest(
+      checkpoints.abstract_of(learner.without_base(state)), checkpoints.abstract_of(rng)
+    )
+    if restored is None:
+      return None
+    iteration, train_state, rng, progress = restored
+    return iteration, learner.with_base(train_state, state.base), rng, progress
   except ValueError as e:  # a changed config or model: say so instead of training something else
     raise ConfigError(f"cannot {what} {workdir}: {e}") from e
   except checkpoints.CheckpointsUnreadable as e:  # never a silent restart from iteration 0
