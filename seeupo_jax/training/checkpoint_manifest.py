@@ -16,6 +16,8 @@ from typing import Any, Mapping, Optional, Sequence
 import jax
 import numpy as np
 
+from seeupo_jax import learner
+
 PyTree = Any
 
 DEFAULT_ALLOWED_TO_DIFFER = ("num_iterations", "eval", "log", "checkpoint")
@@ -37,8 +39,12 @@ def abstract_of(tree: PyTree) -> PyTree:
 
   Returns:
     The same tree of `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`: a restore target that
-    puts every restored array on the sharding of the matching leaf of `tree`.
+    puts every restored array on the sharding of the matching leaf of `tree`. A learner
+    `TrainState` keeps its frozen `base` as it is (checkpoints never hold it: the restored state
+    carries the target's base, `Checkpointer.restore_latest`).
   """
+  if isinstance(tree, learner.TrainState):
+    return learner.with_base(abstract_of(learner.without_base(tree)), tree.base)
   return jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
   )

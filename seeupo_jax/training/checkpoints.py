@@ -61,6 +61,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
+from seeupo_jax import learner
 from seeupo_jax.training.checkpoint_manifest import (  # the checkpointer's API, too
   DEFAULT_ALLOWED_TO_DIFFER,
   MANIFEST_FORMAT,
@@ -224,6 +225,22 @@ def _unraisable_to_log():
     asyncio_logger.removeFilter(asyncio_filter)
 
 
+_NOT_A_TRAIN_STATE = object()
+
+
+def _saved_part(tree: PyTree) -> PyTree:
+  """What a checkpoint holds of `tree`: a learner `TrainState` without its frozen base (the
+  base is loaded again as it was first, `learner.without_base`); any other tree as it is."""
+  return learner.without_base(tree) if isinstance(tree, learner.TrainState) else tree
+
+
+def _base_and_saved_part(tree: PyTree) -> tuple[Any, PyTree]:
+  """(`tree.base`, its saved part) for a `TrainState`; (`_NOT_A_TRAIN_STATE`, tree) else."""
+  if isinstance(tree, learner.TrainState):
+    return tree.base, learner.without_base(tree)
+  return _NOT_A_TRAIN_STATE, tree
+
+
 class Checkpointer:
   """Keep-last-N checkpoints of (train state, PRNG key, progress) in one directory.
 
@@ -322,7 +339,8 @@ class Checkpointer:
 
     Args:
       iteration: the checkpoint's iteration (int >= 0); newer than every saved one.
-      train_state: any pytree of jax arrays, e.g. a learner `TrainState` (sharded or not).
+      train_state: any pytree of jax arrays, e.g. a learner `TrainState` (sharded or not); a
+        `TrainState` is saved without its frozen base (`learner.without_base`).
       rng: the loop's PRNG key: a typed key (`jax.random.key`, any shape) or a raw uint32 key.
       progress: a JSON-able dict of the loop's position (next task index, sampler epoch, ...).
       force: save even if `iteration` is off the interval (e.g. the last iteration).
@@ -337,6 +355,7 @@ class Checkpointer:
     """
     if self.read_only:
       raise ValueError(f"cannot save iteration {iteration}: {self.directory} is open read-only")
+    train_state = _saved_part(train_state)
     if not (force or self.should_save(iteration)):
       return False
     self.finish()
@@ -421,6 +440,15 @@ class Checkpointer:
       )
 
   def _restore(self, iteration: int, abstract_train_state, abstract_rng):
+    base, abstract_train_state = _base_and_saved_part(abstract_train_state)
+    iteration, state, rng, progress = self._restore_saved(
+      iteration, abstract_train_state, abstract_rng
+    )
+    if base is not _NOT_A_TRAIN_STATE:
+      state = learner.with_base(state, base)
+    return iteration, state, rng, progress
+
+  def _restore_saved(self, iteration: int, abstract_train_state, abstract_rng):
     args = ocp.args.Composite(
       **{
         _STATE: ocp.args.StandardRestore(abstract_of(abstract_train_state)),
@@ -463,7 +491,9 @@ class Checkpointer:
       abstract_train_state: the tree to restore into: `jax.ShapeDtypeStruct`s with shardings
         (e.g. `abstract_of(fresh_state)` or `jax.eval_shape` plus shardings), or arrays. Each
         array comes back on its target's sharding, which may differ from the saved one (another
-        mesh); a leaf without a sharding comes back on the default device.
+        mesh); a leaf without a sharding comes back on the default device. A learner
+        `TrainState` restores its saved part (`learner.without_base`) and comes back with the
+        target's `base` as it is (None, or the frozen base's arrays).
       abstract_rng: the PRNG key's target: a typed key's (dtype `key<impl>`) or a raw uint32
         key's ShapeDtypeStruct (or the key itself), with its sharding.
 
@@ -491,7 +521,9 @@ class Checkpointer:
         except Exception as e:  # pylint: disable=broad-exception-caught
           message = _one_line(e)
         else:
-          self._check(manifest, abstract_train_state, abstract_rng, where)  # refuses, not skips
+          self._check(
+            manifest, _saved_part(abstract_train_state), abstract_rng, where
+          )  # refuses, not skips
           try:
             restored = self._restore(iteration, abstract_train_state, abstract_rng)
           except Exception as e:  # pylint: disable=broad-exception-caught

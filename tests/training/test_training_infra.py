@@ -26,8 +26,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from seeupo_jax import learner, sharding
 from seeupo_jax.models import config as config_lib
+from seeupo_jax.models import lora
 from seeupo_jax.models import qwen
-from seeupo_jax.training import checkpoints
+from seeupo_jax.training import checkpoint_manifest, checkpoints
 from seeupo_jax.training import metrics_log
 import tiny
 
@@ -107,6 +108,31 @@ def test_train_state_round_trip_is_bit_identical(model, tmp_path):
     jax.random.uniform(restored_rng, (4,)), jax.random.uniform(rng, (4,))
   )
   assert restored_progress == progress
+
+
+def test_a_train_state_with_a_base_is_saved_without_it_and_restored_beside_the_targets(
+  model, tmp_path
+):
+  """LoRA: the checkpoint holds the adapters' `SavedState` (no `base` entry, no base arrays);
+  restoring into a `TrainState` gives back the saved fields and the target's own base."""
+  config, _ = model
+  adapters, base = lora.split(qwen.init_params(config.replace(lora_rank=2), jax.random.key(1)))
+  optimizer = learner.default_optimizer()
+  state = _with_moments(learner.init_state(adapters, optimizer, base=base), optimizer, 3)
+  rng = jax.random.key(5)
+  with checkpoints.Checkpointer(str(tmp_path), every=1) as ckpt:
+    assert ckpt.save(1, state, rng, {"next_task": 1})
+  metadata = json.loads((tmp_path / "1" / "manifest" / "metadata").read_text())
+  paths = [leaf["path"] for leaf in metadata["train_state"]]
+  assert paths and not [p for p in paths if p.startswith("base")]
+  assert sorted(p for p in paths if p.startswith("params/")) == sorted(
+    "params/" + leaf["path"] for leaf in checkpoint_manifest.tree_manifest(adapters)
+  )
+  with checkpoints.Checkpointer(str(tmp_path), every=1) as ckpt:
+    _, restored, _, _ = ckpt.restore_latest(checkpoints.abstract_of(state), rng)
+  assert isinstance(restored, learner.TrainState)
+  assert restored.base is state.base  # the target's, never read from the checkpoint
+  _assert_trees_identical(learner.without_base(restored), learner.without_base(state))
 
 
 def test_sharded_state_restores_onto_the_requested_shardings(model, sharded_state, tmp_path):
