@@ -271,14 +271,8 @@ def _restore(checkpointer: checkpoints.Checkpointer, workdir: str, what: str, st
   """`checkpointer.restore_latest`, its refusals as ConfigError (a changed config or model)
   or WorkdirError (no checkpoint can be read)."""
   try:
-    # Without the frozen base (LoRA): checkpoints hold the adapters; the base is `state`'s.
-    restored = checkpointer.restore_latest(
-      checkpoints.abstract_of(learner.without_base(state)), checkpoints.abstract_of(rng)
-    )
-    if restored is None:
-      return None
-    iteration, train_state, rng, progress = restored
-    return iteration, learner.with_base(train_state, state.base), rng, progress
+    # With LoRA the checkpoint holds the adapters; the frozen base comes back as `state`'s.
+    return checkpointer.restore_latest(checkpoints.abstract_of(state), checkpoints.abstract_of(rng))
   except ValueError as e:  # a changed config or model: say so instead of training something else
     raise ConfigError(f"cannot {what} {workdir}: {e}") from e
   except checkpoints.CheckpointsUnreadable as e:  # never a silent restart from iteration 0
