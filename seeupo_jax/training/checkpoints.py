@@ -225,20 +225,10 @@ def _unraisable_to_log():
     asyncio_logger.removeFilter(asyncio_filter)
 
 
-_NOT_A_TRAIN_STATE = object()
-
-
 def _saved_part(tree: PyTree) -> PyTree:
   """What a checkpoint holds of `tree`: a learner `TrainState` without its frozen base (the
   base is loaded again as it was first, `learner.without_base`); any other tree as it is."""
   return learner.without_base(tree) if isinstance(tree, learner.TrainState) else tree
-
-
-def _base_and_saved_part(tree: PyTree) -> tuple[Any, PyTree]:
-  """(`tree.base`, its saved part) for a `TrainState`; (`_NOT_A_TRAIN_STATE`, tree) else."""
-  if isinstance(tree, learner.TrainState):
-    return tree.base, learner.without_base(tree)
-  return _NOT_A_TRAIN_STATE, tree
 
 
 class Checkpointer:
@@ -440,12 +430,11 @@ class Checkpointer:
       )
 
   def _restore(self, iteration: int, abstract_train_state, abstract_rng):
-    base, abstract_train_state = _base_and_saved_part(abstract_train_state)
     iteration, state, rng, progress = self._restore_saved(
-      iteration, abstract_train_state, abstract_rng
+      iteration, _saved_part(abstract_train_state), abstract_rng
     )
-    if base is not _NOT_A_TRAIN_STATE:
-      state = learner.with_base(state, base)
+    if isinstance(abstract_train_state, learner.TrainState):  # the target's own frozen base
+      state = learner.with_base(state, abstract_train_state.base)
     return iteration, state, rng, progress
 
   def _restore_saved(self, iteration: int, abstract_train_state, abstract_rng):

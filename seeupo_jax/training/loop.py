@@ -213,7 +213,7 @@ def run(
           progress[pipeline.PROGRESS_KEY] = pipeline.to_progress(pending, program.processes)
         checkpointer.save(
           iteration,
-          learner.without_base(state),  # the adapters without the frozen base (LoRA)
+          state,  # the Checkpointer leaves the frozen base (LoRA) out
           rng,
           progress,
           force=final or timed or bool(stop),
