@@ -46,6 +46,7 @@ setuptools.setup(
     "gpu": ["jax[cuda12]>=0.7,<0.13"],
     # libtpu: the TPU compiler, so benchmarks/aot_compile.py compiles for TPU slices on any host
     "tpu-compile": ["jax[tpu]>=0.7,<0.13"],
-    "parity": ["torch==2.13.0"],
+    # torch's side of the parity tests: transformers' Qwen, and PEFT loading our LoRA adapters
+    "parity": ["torch==2.13.0", "peft==0.21.2"],
   },
 )

@@ -476,7 +476,7 @@ def _training(
       log.close()
     checkpointer.close()
   if config.save_hf:
-    _save_hf(workdir, program, state)
+    _save_hf(workdir, program, state, base_model_path=config.model.path)
   return last
 
 
