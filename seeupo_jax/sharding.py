@@ -38,12 +38,14 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     P(("fsdp", "tensor"), None),
   ),  # [V, D] (also under a prefix: a critic's trunk)
   (r"(^|/)lm_head/kernel$", P("fsdp", "tensor")),  # [D, V]
-  (r"attn/[qkv]_proj/kernel$", P(None, "fsdp", "tensor")),  # [L, D, N*hd]
+  (r"attn/[qkv]_proj/kernel(_int8|_nf4|_scale)?$", P(None, "fsdp", "tensor")),  # [L, D, N*hd]
   (r"attn/[qkv]_proj/bias$", P(None, "tensor")),  # [L, N*hd]
-  (r"attn/o_proj/kernel$", P(None, "tensor", "fsdp")),  # [L, H*hd, D]
+  (r"attn/o_proj/kernel(_int8|_nf4|_scale)?$", P(None, "tensor", "fsdp")),  # [L, H*hd, D]
   (r"attn/o_proj/bias$", P(None, None)),  # [L, D], Qwen3 with attention_bias only
-  (r"mlp/(gate|up)_proj/kernel$", P(None, "fsdp", "tensor")),  # [L, D, F]
-  (r"mlp/down_proj/kernel$", P(None, "tensor", "fsdp")),  # [L, F, D]
+  (r"mlp/(gate|up)_proj/kernel(_int8|_nf4|_scale)?$", P(None, "fsdp", "tensor")),  # [L, D, F]
+  (r"mlp/down_proj/kernel(_int8|_nf4|_scale)?$", P(None, "tensor", "fsdp")),  # [L, F, D]
+  # (A quantized kernel's codes and scales, models/quant.py, lie like the kernel; a scale's
+  # axis of size 1 stays whole.)
   # LoRA adapters (models/lora.py): A [L, in, r] split like its kernel's input features, B
   # [L, r, out] like its output features, so x A and (x A) B need no other layout than x W's.
   (r"(attn/[qkv]_proj|mlp/(gate|up)_proj)/lora_a$", P(None, "fsdp", None)),

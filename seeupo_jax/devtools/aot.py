@@ -36,6 +36,7 @@ from seeupo_jax import learner
 from seeupo_jax import sharding
 from seeupo_jax.devtools import hlo_collectives
 from seeupo_jax.learner import precision
+from seeupo_jax.models import lora
 from seeupo_jax.models import qwen
 from seeupo_jax.models.config import ModelConfig
 
@@ -159,12 +160,18 @@ def abstract_state(
   ref_dtype: Optional[str] = None,
 ) -> learner.TrainState:
   """The `TrainState` `learner.init_state(params, optimizer, ref_params=...,
-  master_weights=...)` builds, as ShapeDtypeStructs on the params' shardings.
+  master_weights=..., base=...)` builds, as ShapeDtypeStructs on the params' shardings.
 
   ref: the state holds KL reference params (`LearnerConfig.kl_coef > 0`), in `ref_dtype`
-  (default: the params' dtype).
+  (default: the params' dtype). With LoRA (`model_config.lora_rank` > 0) the state's params
+  are the adapters, the base (quantized with `model_config.quantize`) is `base` and is the KL
+  reference itself: `ref` adds nothing.
   """
   params = abstract_params(model_config, mesh)
+  base = None
+  if model_config.lora_rank:
+    params, base = lora.split(params)
+    ref = False
   optimizer = precision.resolve(optimizer, params, master_weights)
   opt_state = abstract(
     jax.eval_shape(optimizer.init, params),
@@ -177,7 +184,9 @@ def abstract_state(
       params,
     )
   counter = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
-  return learner.TrainState(params, opt_state, ref_params, None, None, counter, counter, counter)
+  return learner.TrainState(
+    params, opt_state, ref_params, None, None, counter, counter, counter, base=base
+  )
 
 
 def abstract_batch(rows: int, length: int, mesh: Mesh) -> learner.Batch:
@@ -213,8 +222,11 @@ def bytes_per_device(tree) -> int:
 
 
 def state_bytes(state: learner.TrainState) -> dict[str, int]:
-  """Bytes per device of each part of the state: params, ref_params, masters, optimizer."""
+  """Bytes per device of each part of the state: params, base (LoRA's frozen weights),
+  ref_params, masters, optimizer."""
   out = {"params": bytes_per_device(state.params)}
+  if state.base is not None:
+    out["base"] = bytes_per_device(state.base)
   if state.ref_params is not None:
     out["ref_params"] = bytes_per_device(state.ref_params)
   if isinstance(state.opt_state, learner.MasterWeightsState):

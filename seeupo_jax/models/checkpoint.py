@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, Sharding
 
 from seeupo_jax import sharding as sharding_lib
+from seeupo_jax.models import quant
 from seeupo_jax.models import qwen
 from seeupo_jax.models import safetensors_io
 from seeupo_jax.models.config import ModelConfig
@@ -184,7 +185,12 @@ def load_params(
       embedding.
   """
   source = _TensorSource(directory)
-  config = config.replace(lora_rank=0)  # a HF checkpoint holds the base; adapters: models/lora.py
+  fmt = config.quantize  # the base is read in param_dtype, then quantized kernel by kernel
+  if fmt != "none" and not (shardings is None or isinstance(shardings, Mesh)):
+    raise ValueError("load_params: with config.quantize, shardings must be None or a Mesh")
+  mesh = shardings if isinstance(shardings, Mesh) else None
+  # A HF checkpoint holds the base (adapters: models/lora.py), unquantized.
+  config = config.replace(lora_rank=0, quantize="none")
   shapes = qwen.params_shape(config)
   if shardings is None:
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -224,7 +230,31 @@ def load_params(
   for path, _, callback, _ in plan:
     target = _get(shapes, path)
     _set(params, path, jax.make_array_from_callback(target.shape, _get(shardings, path), callback))
+  if fmt != "none":
+    params = _quantize_on(params, fmt, mesh)
   return params
+
+
+def _quantize_on(params: qwen.Params, fmt: str, mesh: Optional[Mesh]) -> qwen.Params:
+  """`quant.quantize_params` one projection at a time, each kernel deleted once its codes
+  exist (the host and devices never hold the whole base twice), placed on `mesh`'s rules."""
+  out = dict(params)
+  out["layers"] = {k: dict(v) for k, v in params["layers"].items()}
+  for module, names in quant.PROJECTIONS.items():
+    for name in names:
+      leaves = out["layers"][module][name]
+      kernel = leaves["kernel"]
+      one = {"layers": {module: {name: {"kernel": kernel}}}}
+      shapes = jax.eval_shape(lambda p: quant.quantize_params(p, fmt), one)  # noqa: B023
+      if mesh is None:
+        shardings = None
+      else:
+        shardings = sharding_lib.param_shardings(shapes, mesh)
+      q = jax.jit(lambda p: quant.quantize_params(p, fmt), out_shardings=shardings)(one)  # noqa: B023
+      kernel.delete()
+      leaves = {k: v for k, v in leaves.items() if k != "kernel"}
+      out["layers"][module][name] = {**leaves, **q["layers"][module][name]}
+  return out
 
 
 def _check_unused(source: _TensorSource, used: set, config: ModelConfig, directory: str):

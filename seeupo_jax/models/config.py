@@ -15,6 +15,7 @@ from seeupo_jax import fields
 DTYPES = ("float32", "bfloat16")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+QUANTIZE_FORMATS = ("none", "int8", "nf4")  # a frozen base's projections (models/quant.py)
 _POSITIVE = fields.int_at_least(1)
 
 
@@ -53,6 +54,8 @@ class ModelConfig:
       lora_rank: r of the LoRA adapters (`models/lora.py`) the params hold; 0: none.
       lora_alpha: the adapters' alpha; their output is scaled by alpha / r (`lora_scale`).
       lora_targets: the projections that get an adapter (of `LORA_TARGETS`).
+      quantize: "none", or the format the decoder layers' projection kernels are held in,
+          "int8" or "nf4" (`models/quant.py`; a frozen base: QLoRA).
   """
 
   vocab_size: int = fields.field(_POSITIVE)
@@ -78,6 +81,7 @@ class ModelConfig:
   lora_targets: tuple = fields.field(
     fields.described(fields.tuple_of(fields.one_of(LORA_TARGETS)), "at least one"), LORA_TARGETS
   )
+  quantize: str = fields.field(fields.one_of(QUANTIZE_FORMATS), "none")
 
   def __post_init__(self):
     fields.check(self)

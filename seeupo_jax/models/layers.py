@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from seeupo_jax.models import quant
 from seeupo_jax.models.config import ModelConfig
 from seeupo_jax import sharding
 
@@ -76,16 +77,11 @@ class RMSNorm(nn.Module):
     return scale.astype(self.dtype) * normed.astype(self.dtype)
 
 
-def _dense(features: int, use_bias: bool, name: str, dtype, param_dtype):
-  return nn.Dense(
-    features,
-    use_bias=use_bias,
-    dtype=dtype,
-    param_dtype=param_dtype,
-    kernel_init=_INIT,
-    bias_init=nn.initializers.zeros,
-    name=name,
-  )
+def _dense(x: jax.Array, kernel: jax.Array, bias, dtype) -> jax.Array:
+  """x [..., in] @ kernel [in, out] (+ bias [out]) in `dtype`, as `nn.Dense` computes it."""
+  x, kernel = x.astype(dtype), kernel.astype(dtype)
+  y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+  return y if bias is None else y + bias.astype(dtype)
 
 
 class _Kernel(nn.Module):
@@ -93,6 +89,9 @@ class _Kernel(nn.Module):
 
   Lets a caller concatenate several projections' kernels and run them as one
   matmul while the params tree keeps one entry per Hugging Face projection.
+  Where the params hold a quantized kernel (`models/quant.py`: `kernel_int8` or `kernel_nf4`
+  and `kernel_scale` instead of `kernel`), the kernel returned is its dequantization in
+  param_dtype.
   """
 
   in_features: int
@@ -102,7 +101,15 @@ class _Kernel(nn.Module):
 
   @nn.compact
   def __call__(self):
-    kernel = self.param("kernel", _INIT, (self.in_features, self.features), self.param_dtype)
+    if self.has_variable("params", "kernel_scale"):  # a quantized base, frozen
+      leaves = {
+        n: self.get_variable("params", n)
+        for n in (*quant.CODES, "kernel_scale")
+        if self.has_variable("params", n)
+      }
+      kernel = quant.dequantize(leaves, self.param_dtype)
+    else:
+      kernel = self.param("kernel", _INIT, (self.in_features, self.features), self.param_dtype)
     if not self.use_bias:
       return kernel, None
     return kernel, self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
@@ -537,7 +544,8 @@ class Attention(nn.Module):
       out = paged_attend(q, k, v, past_k, past_v, mask)
     else:
       out = cached_attend(q, k, v, past_k, past_v, mask)
-    projected = _dense(c.hidden_size, c.o_proj_bias, "o_proj", dt, pdt)(out)
+    o_kernel, o_bias = _Kernel(out.shape[-1], c.hidden_size, c.o_proj_bias, pdt, name="o_proj")()
+    projected = _dense(out, o_kernel, o_bias, dt)
     return _plus(projected, _lora_delta(self, "o_proj", out, c.lora_scale, dt)), k, v
 
 
@@ -559,7 +567,7 @@ class MLP(nn.Module):
     gate = _plus(gate_up[:, :, 0], _lora_delta(self, "gate_proj", x, c.lora_scale, dt))
     up = _plus(gate_up[:, :, 1], _lora_delta(self, "up_proj", x, c.lora_scale, dt))
     hidden = sharding.constrain(nn.silu(gate) * up, sharding.MLP_HIDDEN)
-    down = _dense(c.hidden_size, False, "down_proj", dt, pdt)(hidden)
+    down = _dense(hidden, _Kernel(f, c.hidden_size, False, pdt, name="down_proj")()[0], None, dt)
     return _plus(down, _lora_delta(self, "down_proj", hidden, c.lora_scale, dt))
 
 

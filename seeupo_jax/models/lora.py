@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from seeupo_jax.models import quant
 from seeupo_jax.models.config import LORA_TARGETS
 
 Params = Any
@@ -131,13 +132,15 @@ def combine(base: Params, adapters: Params) -> Params:
 
 def merge(params: Params, scale: float) -> Params:
   """The base structure of `params` with each adapted kernel W replaced by W + scale A B,
-  computed in float32 and cast to W's dtype (the adapters dropped).
+  computed in float32 and cast to W's dtype (the adapters dropped). A quantized base
+  (`models/quant.py`) is dequantized first: every projection comes out as a float32 "kernel".
 
   Args:
     params: a model's params with adapters (stacked [L, ...] layer leaves).
     scale: alpha / rank (`ModelConfig.lora_scale`).
   """
   adapters, base = split(params)
+  base = quant.dequantize_params(base, jnp.float32)
   if not adapters:
     return base
   out = jax.tree.map(lambda x: x, base)  # new dicts, the same leaves

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from seeupo_jax import sharding
 from seeupo_jax.models import layers
 from seeupo_jax.models import lora
+from seeupo_jax.models import quant
 from seeupo_jax.models.config import ModelConfig
 
 Params = Any
@@ -113,7 +114,8 @@ def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int) -> Pag
 
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
   """Random parameters (normal(0.02) weights, zero biases, unit norm scales), with fresh LoRA
-  adapters (`lora.init_adapters`, from `fold_in(key, 1)`) when `config.lora_rank` > 0."""
+  adapters (`lora.init_adapters`, from `fold_in(key, 1)`) when `config.lora_rank` > 0 and the
+  layers' projections quantized when `config.quantize` is "int8" or "nf4" (`models/quant.py`)."""
   k_embed, k_layers, k_head = jax.random.split(key, 3)
   pdt = jnp.dtype(config.param_dtype)
   d = config.hidden_size
@@ -131,6 +133,7 @@ def init_params(config: ModelConfig, key: jax.Array) -> Params:
   }
   if not config.tie_word_embeddings:
     params["lm_head"] = {"kernel": 0.02 * jax.random.normal(k_head, (d, config.vocab_size), pdt)}
+  params = quant.quantize_params(params, config.quantize)  # a frozen base in int8 / nf4
   return lora.combine(params, lora.init_adapters(config, jax.random.fold_in(key, 1)))
 
 

@@ -146,13 +146,19 @@ def _split_over_data(spec: P, shape, mesh: Mesh) -> P:
   return sharding.fit_spec(P(*entries), shape, mesh)
 
 
+def _cast_to(x, dtype):
+  """The dtype a params leaf has in the decode copy: `dtype` for floats; a quantized kernel's
+  integer codes (`models/quant.py`) keep theirs."""
+  return jnp.dtype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+
+
 def _move(x: jax.Array, source, hop, target, *, dtype) -> jax.Array:
   """One array: cast where it lies (`source`), then through `hop` to `target`.
 
   Pinning the cast to the input's layout makes XLA convert each shard before it moves it, so
   the collectives carry the compute dtype (without the pin the all-to-alls carried float32).
   """
-  x = jax.lax.with_sharding_constraint(x.astype(dtype), source)
+  x = jax.lax.with_sharding_constraint(x.astype(_cast_to(x, dtype)), source)
   x = jax.lax.with_sharding_constraint(x, hop)
   return jax.lax.with_sharding_constraint(x, target)
 
@@ -208,7 +214,7 @@ def _reshard(
   layer_specs = [jax.tree.leaves(tree["layers"]) for tree in specs]
   if previous is None:
     buffers = [
-      jax.lax.with_sharding_constraint(jnp.zeros(x.shape, dtype), t)
+      jax.lax.with_sharding_constraint(jnp.zeros(x.shape, _cast_to(x, dtype)), t)
       for x, t in zip(layers, layer_specs[2])
     ]
   else:
@@ -357,7 +363,8 @@ class DecodeLayout:
     dtype = jnp.dtype(model_config.dtype)
     source = sharding.param_shardings(qwen.params_shape(model_config), mesh)
     self._cast = jax.jit(
-      lambda params: jax.tree.map(lambda x: x.astype(dtype), params), out_shardings=source
+      lambda params: jax.tree.map(lambda x: x.astype(_cast_to(x, dtype)), params),
+      out_shardings=source,
     )
     self.unroll = False
     self.donate = False

@@ -92,7 +92,8 @@ def _lora_targets_ok(value) -> bool:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoraSection:
   """`model.lora`: LoRA adapters (`models/lora.py`). rank > 0 trains adapters of that rank on
-  the `targets` projections beside the frozen base; 0 trains every weight."""
+  the `targets` projections beside the frozen base; 0 trains every weight. `quantize` holds
+  the base's projections in int8 or NF4 (QLoRA)."""
 
   rank: int = _like(model_config_lib.ModelConfig, "lora_rank")
   alpha: float = _like(model_config_lib.ModelConfig, "lora_alpha")
@@ -103,6 +104,8 @@ class LoraSection:
     ),
     ",".join(model_config_lib.LORA_TARGETS),
   )
+  # QLoRA: the frozen base's projections held in int8 or NF4 (`models/quant.py`); needs rank > 0.
+  quantize: str = _like(model_config_lib.ModelConfig, "quantize")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -500,6 +503,13 @@ def typed(config: ml_collections.ConfigDict | TrainConfig) -> TrainConfig:
       problems.append(str(e.under("learner")))
   if learner_cfg is not None:
     problems += _batch_split(r, learner_cfg)
+  m = sections["model"]
+  quantized = m is not None and m.lora.quantize in model_config_lib.QUANTIZE_FORMATS[1:]
+  if quantized and m.lora.rank == 0:
+    problems.append(
+      f"model.lora.quantize={m.lora.quantize!r} needs model.lora.rank > 0 (a quantized base is "
+      "frozen: only adapters train beside it); allowed with rank 0: 'none'"
+    )
   if problems:
     raise ConfigError("; ".join(problems))
   return TrainConfig(

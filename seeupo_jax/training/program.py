@@ -29,6 +29,7 @@ from seeupo_jax.text import tokenizer as tokenizer_lib
 from seeupo_jax.models import checkpoint as hf_checkpoint
 from seeupo_jax.models import config as model_config_lib
 from seeupo_jax.models import lora
+from seeupo_jax.models import quant
 from seeupo_jax.models import qwen
 from seeupo_jax.training import config as config_lib
 
@@ -86,6 +87,7 @@ def _model_overrides(m: config_lib.ModelSection) -> dict[str, Any]:
     lora_rank=m.lora.rank,
     lora_alpha=m.lora.alpha,
     lora_targets=tuple(m.lora.targets.split(",")),
+    quantize=m.lora.quantize,
   )
 
 
@@ -324,8 +326,11 @@ def build(config: TrainConfig) -> Program:
     critic = None
     if ppo:
       # The critic's trunk starts as a copy of the policy's weights (its own buffers: the update
-      # donates both); with LoRA the base's, trained whole.
-      trunk = jax.tree.map(jnp.copy, params if base is None else base)
+      # donates both); with LoRA the base's, trained whole (a quantized base dequantized).
+      source = params
+      if base is not None:
+        source = quant.dequantize_params(base, jnp.dtype(model_config.param_dtype))
+      trunk = jax.tree.map(jnp.copy, source)
       critic = learner.shard_params(learner.init_qwen_critic(model_config, k_critic, trunk), mesh)
     ref = params if learner_config.kl_coef > 0 and base is None else None
     return learner.init_state(

@@ -42,6 +42,8 @@ shape = fit_table.SHAPES["appworld"]
 row = fit_table.fit("qwen3-0.6b", "v5p-8", shape, True, g, a)
 c = config_lib.get_preset("qwen3-0.6b")
 out["row"] = row
+out["lora_row"] = fit_table.fit("qwen3-0.6b", "v5p-8", shape, False, g, a, (16, "int8"))
+out["lora_trained"] = fit_table.trained_params("qwen3-0.6b", (16, "int8"))
 out["params"] = aot.params_count(c)
 out["layers_hidden"] = c.num_layers * c.hidden_size
 print(json.dumps(out))
@@ -79,3 +81,19 @@ def test_the_fit_recovers_known_coefficients_and_m_is_the_fewest_that_fits(tmp_p
   assert total(m) <= 0.9 * hbm
   assert m == 1 or total(m // 2) > 0.9 * hbm
   assert abs(row["act_GiB"] * gib - (total(m) - state)) < 1e-3 * gib
+
+  # LoRA rank 16 on every projection of Qwen3-0.6B (28 layers, D 1024, q 2048, k/v 1024, F
+  # 3072): r (in + out) per projection, by hand.
+  per_layer = 16 * sum(
+    i + o
+    for i, o in [(1024, 2048), (1024, 1024), (1024, 1024), (2048, 1024)]
+    + [(1024, 3072), (1024, 3072), (3072, 1024)]
+  )
+  assert out["lora_trained"] == 28 * per_layer
+  lora = out["lora_row"]
+  assert (lora["lora_rank"], lora["quantize"]) == (16, "int8")
+  # The int8 base is about 1 byte a parameter where full fine-tuning's state is 16.
+  assert lora["state_GiB"] < state / gib / 4
+  m = lora["microbatches"]
+  act = 10.0 * out["lora_trained"] / chips + 3.0 * lh * rows * length / chips / m
+  assert abs(lora["act_GiB"] * gib - act) < 1e-3 * gib

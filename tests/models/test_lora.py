@@ -59,7 +59,11 @@ def test_adapters_follow_their_kernels_partition_rules():
 
 @pytest.mark.parametrize(
   "key, value, allowed",
-  [("rank", -1, "an int >= 0"), ("targets", "q_proj,attn", "comma-separated names")],
+  [
+    ("rank", -1, "an int >= 0"),
+    ("targets", "q_proj,attn", "comma-separated names"),
+    ("quantize", "int4", "one of \\['none', 'int8', 'nf4'\\]$"),
+  ],
 )
 def test_a_bad_lora_key_names_it(key, value, allowed):
   from experiments import configs  # noqa: PLC0415
@@ -67,4 +71,15 @@ def test_a_bad_lora_key_names_it(key, value, allowed):
   config = configs.get_config("synthetic")
   config.model.lora[key] = value
   with pytest.raises(config_lib.ConfigError, match=rf"model\.lora\.{key}=.*{allowed}"):
+    config_lib.typed(config)
+
+
+def test_a_quantized_base_without_adapters_is_refused_naming_both_keys():
+  from experiments import configs  # noqa: PLC0415
+
+  config = configs.get_config("synthetic")
+  config.model.lora.quantize = "nf4"
+  with pytest.raises(
+    config_lib.ConfigError, match=r"model\.lora\.quantize='nf4' needs model\.lora\.rank > 0"
+  ):
     config_lib.typed(config)

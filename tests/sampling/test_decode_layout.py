@@ -153,6 +153,10 @@ def _tiny(dtype, **changes):
   return tiny.model_config(dtype=dtype, param_dtype="float32").replace(**changes)
 
 
+def learner_shard(params, mesh):
+  return jax.device_put(params, sharding.param_shardings(params, mesh))
+
+
 def _learner_params(config, mesh):
   """Random float32 params (normal(0.05), norm scales 1 + normal(0.05)) in the learner layout.
 
@@ -233,6 +237,33 @@ class DecodeLayoutTest(parameterized.TestCase):
       np.asarray(updated["embed"]["embedding"].astype(jnp.bfloat16)),
     )
     self.assertFalse(params["embed"]["embedding"].is_deleted())  # the learner's params stay
+
+  @pytest.mark.slow  # two layouts compiled
+  def test_a_quantized_base_keeps_its_codes_and_dequantizes_to_the_learners_kernel(self):
+    """QLoRA's base through the reshard: the integer codes keep their dtype (a cast would hold
+    them in bf16, twice an int8 base's bytes), the floats take the compute dtype, and the
+    sampler's dequantized kernel is the learner's (a bf16 base: the scales already bf16)."""
+    from seeupo_jax.models import quant  # noqa: PLC0415
+
+    for fmt, codes, dtype in (("int8", "kernel_int8", jnp.int8), ("nf4", "kernel_nf4", jnp.uint8)):
+      config = tiny.model_config(dtype="bfloat16", param_dtype="bfloat16", quantize=fmt)
+      mesh = sharding.make_mesh(fsdp=-1)
+      plain = _learner_params(config.replace(quantize="none"), mesh)
+      plain = jax.tree.map(lambda x: x.astype(jnp.bfloat16), plain)
+      params = learner_shard(quant.quantize_params(plain, fmt), mesh)
+      layout = decode_layout.DecodeLayout(config, mesh, tensor=4)
+      copy = layout(params)
+      for got, s in zip(jax.tree.leaves(copy), jax.tree.leaves(layout.shardings)):
+        self.assertEqual(got.sharding, s)
+      leaves = copy["layers"]["mlp"]["down_proj"]
+      self.assertEqual(leaves[codes].dtype, dtype)
+      self.assertEqual(leaves["kernel_scale"].dtype, jnp.bfloat16)
+      np.testing.assert_array_equal(
+        np.asarray(quant.dequantize(leaves, jnp.bfloat16), np.float32),
+        np.asarray(
+          quant.dequantize(params["layers"]["mlp"]["down_proj"], jnp.bfloat16), np.float32
+        ),
+      )
 
   def test_a_layout_on_devices_of_its_own_holds_one_cast_copy_there(self):
     """`devices=`: the copy is the learner's params cast to the compute dtype, in the decode
