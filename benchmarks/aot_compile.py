@@ -190,9 +190,10 @@ def bounds(costs, facts, model_config, chip):
     )
     s = facts["state_bytes"]
     # Per turn: the weights read by the forward, backward (and remat) passes; the optimizer
-    # step reads and writes the masters, both moments and the params.
+    # step reads and writes the masters, both moments and the trained params.
     passes = 3 if facts["remat"] == "full" else 2
-    per_turn = passes * s["params"] + 2 * (s.get("masters", 0) + s["optimizer"] + s["params"])
+    weights = s["params"] + s.get("base", 0)  # with LoRA the frozen base is read too
+    per_turn = passes * weights + 2 * (s.get("masters", 0) + s["optimizer"] + s["params"])
     hbm = facts["turns"] * per_turn + s.get("ref_params", 0)
     out["update"] = (flops, aot.roofline(flops / n, hbm, costs["update"].link_bytes, chip))
   if "decode" in costs and costs["decode"].error is None:

@@ -9,11 +9,15 @@ abstract arrays (ShapeDtypeStructs with their shardings: nothing is allocated), 
                      moments in the optimizer state (`learner.with_master_weights`; the default)
   f32params          params float32, computed in bf16 (the model casts at each use), ref float32
   f32params+bf16ref  the same with a bf16 reference copy for the KL term
+  lora               LoRA adapters (rank 16, every projection) float32 with float32 Adam
+                     moments; the bf16 base frozen and the KL reference (no copy)
+  qlora-int8/-nf4    the same on a base whose layer projections are int8 / NF4 (models/quant.py)
 
 The KL reference params are in the state (the authors' kl_coef 0.002). The mesh is fsdp over
 all devices. The layers are a `lax.scan`, so compile time does not grow with depth.
 
   .venv/bin/python benchmarks/bench_learner_memory.py                     # Qwen3-14B, 8 devices
+  .venv/bin/python benchmarks/bench_learner_memory.py --schemes bf16+masters,lora,qlora-nf4
   .venv/bin/python benchmarks/bench_learner_memory.py --layers 4 --json out.json
 """
 
@@ -38,17 +42,23 @@ from seeupo_jax import learner, sharding  # noqa: E402
 from seeupo_jax.devtools import aot  # noqa: E402
 from seeupo_jax.models import config as config_lib  # noqa: E402
 
-SCHEMES = {  # name: (param dtype, master weights, reference dtype)
-  "bf16": ("bfloat16", False, "bfloat16"),
-  "bf16+masters": ("bfloat16", True, "bfloat16"),
-  "f32params": ("float32", False, "float32"),
-  "f32params+bf16ref": ("float32", False, "bfloat16"),
+SCHEMES = {  # name: (param dtype, master weights, reference dtype, LoRA rank, base format)
+  "bf16": ("bfloat16", False, "bfloat16", 0, "none"),
+  "bf16+masters": ("bfloat16", True, "bfloat16", 0, "none"),
+  "f32params": ("float32", False, "float32", 0, "none"),
+  "f32params+bf16ref": ("float32", False, "bfloat16", 0, "none"),
+  # LoRA on every projection: float32 adapters and Adam moments, the frozen base the reference.
+  "lora": ("bfloat16", True, None, 16, "none"),
+  "qlora-int8": ("bfloat16", True, None, 16, "int8"),
+  "qlora-nf4": ("bfloat16", True, None, 16, "nf4"),
 }
 
 
 def measure(args, scheme: str) -> dict:
-  param_dtype, master_weights, ref_dtype = SCHEMES[scheme]
+  param_dtype, master_weights, ref_dtype, rank, quantize = SCHEMES[scheme]
+  rank = rank and args.lora_rank
   overrides = dict(dtype="bfloat16", param_dtype=param_dtype, remat=args.remat)
+  overrides.update(lora_rank=rank, lora_alpha=2.0 * max(rank, 1), quantize=quantize)
   if args.layers:
     overrides["num_layers"] = args.layers
   model_config = config_lib.get_preset(args.preset, **overrides)
@@ -79,6 +89,9 @@ def measure(args, scheme: str) -> dict:
     "rows": args.rows,
     "length": args.length,
     "remat": args.remat,
+    "lora_rank": rank,
+    "quantize": quantize,
+    "trained_params": sum(x.size for x in jax.tree.leaves(state.params)),
     "compile_s": round(seconds, 1),
     "argument_GiB": ma.argument_size_in_bytes / gib,
     "output_GiB": ma.output_size_in_bytes / gib,
@@ -107,6 +120,7 @@ def main():
   parser.add_argument("--turns", type=int, default=10)
   parser.add_argument("--remat", default="full")
   parser.add_argument("--schemes", default=",".join(SCHEMES))
+  parser.add_argument("--lora-rank", type=int, default=16, help="the LoRA schemes' rank")
   parser.add_argument("--json", default="")
   args = parser.parse_args()
   results = []

@@ -2,6 +2,8 @@
 
     python benchmarks/fit_table.py                    # Markdown table on stdout
     python benchmarks/fit_table.py --json fit.json --calibration /tmp/aot/*.json
+    python benchmarks/fit_table.py --coefficients 17.5 4.0 --models qwen3-14b,qwen3-32b \
+        --lora 16:none,16:int8,16:nf4                # LoRA and QLoRA rows
 
 Per model, slice and precision (float32 master weights or not) it gives, per chip:
 
@@ -16,6 +18,10 @@ Per model, slice and precision (float32 master weights or not) it gives, per chi
              of a micro-batch (a x L x h x tokens, tokens = rows x length / chips / M); g and a
              are fitted to compiled updates (`--calibration`: aot_compile.py's JSON reports),
              and the report says how far each compiled point is from the fit.
+  LoRA       (`--lora rank:base`) the state is the float32 adapters and their moments beside
+             the frozen base (bf16, int8 or nf4; it is the KL reference: no copy); the
+             gradients' term of act counts the adapters' parameters, the residual term is
+             full fine-tuning's (the backward still runs through every layer).
   fits at M  the fewest micro-batches M (a power of two dividing the rows per chip) with
              state + act(M) within 90% of the chip's HBM, or "no" (the state alone is too big,
              or no M helps).
@@ -47,6 +53,8 @@ import numpy as np  # noqa: E402
 from seeupo_jax import learner, sharding  # noqa: E402
 from seeupo_jax.devtools import aot  # noqa: E402
 from seeupo_jax.models import config as config_lib  # noqa: E402
+from seeupo_jax.models import lora as lora_lib  # noqa: E402
+from seeupo_jax.models import qwen  # noqa: E402
 
 MODELS = ("qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen2.5-14b", "qwen3-32b")
 SHAPES = {  # the paper's: 32 tasks x 8 samples, 10 turns, prompt + response tokens
@@ -61,14 +69,33 @@ def chips_of(slice_name: str) -> int:
   return int(np.prod([int(d) for d in topology.split("x")]))
 
 
-def state_per_chip(model: str, chips: int, master_weights: bool) -> dict[str, int]:
-  """Exact bytes per chip of the train state (bf16 params, bf16 KL reference) on fsdp=chips."""
-  model_config = config_lib.get_preset(model, dtype="bfloat16", param_dtype="bfloat16")
+def _config(model: str, lora: tuple = (0, "none")):
+  rank, quantize = lora
+  return config_lib.get_preset(
+    model, dtype="bfloat16", param_dtype="bfloat16", lora_rank=rank, quantize=quantize
+  )
+
+
+def state_per_chip(
+  model: str, chips: int, master_weights: bool, lora: tuple = (0, "none")
+) -> dict[str, int]:
+  """Exact bytes per chip of the train state (bf16 params, bf16 KL reference) on fsdp=chips;
+  with `lora` = (rank, base format), float32 adapters and moments beside the frozen base
+  (bf16, int8 or nf4), the base the KL reference."""
+  model_config = _config(model, lora)
   mesh = sharding.make_mesh(data=1, fsdp=chips, tensor=1, devices=jax.devices()[:chips])
   state = aot.abstract_state(
     model_config, learner.default_optimizer(), mesh, master_weights=master_weights, ref=True
   )
   return aot.state_bytes(state)
+
+
+def trained_params(model: str, lora: tuple = (0, "none")) -> int:
+  """The parameters the update trains: all, or the adapters' (rank lora[0], every projection)."""
+  if not lora[0]:
+    return aot.params_count(config_lib.get_preset(model))
+  shapes = qwen.params_shape(_config(model, lora))
+  return sum(x.size for x in jax.tree.leaves(lora_lib.split(shapes)[0]))
 
 
 def calibrate(paths: list[str]):
@@ -105,24 +132,41 @@ def _model_of(facts):
   raise ValueError(f"no preset has {facts['params']} params")
 
 
-def act_bytes(g: float, a: float, model_config, chips: int, tokens: float) -> float:
+def decode_bytes(model: str, lora: tuple = (0, "none")) -> int:
+  """Bytes of the sampler's copy of the policy: bf16, a quantized base's codes as they are."""
+  total = 0
+  for x in jax.tree.leaves(qwen.params_shape(_config(model, lora))):
+    itemsize = 2 if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x.dtype.itemsize
+    total += x.size * itemsize
+  return total
+
+
+def act_bytes(g: float, a: float, model_config, chips: int, tokens: float, params: int) -> float:
   """The estimated temporaries per chip of an update with `tokens` tokens per chip and
-  micro-batch."""
-  params = aot.params_count(model_config)
+  micro-batch that trains `params` parameters."""
   return g * params / chips + a * model_config.num_layers * model_config.hidden_size * tokens
 
 
-def fit(model: str, slice_name: str, shape: dict, master_weights: bool, g: float, a: float):
+def fit(
+  model: str,
+  slice_name: str,
+  shape: dict,
+  master_weights: bool,
+  g: float,
+  a: float,
+  lora: tuple = (0, "none"),
+):
   chip = aot.CHIPS[aot.SLICES[slice_name][0]]
   chips = chips_of(slice_name)
   model_config = config_lib.get_preset(model)
-  state = sum(state_per_chip(model, chips, master_weights).values())
+  state = sum(state_per_chip(model, chips, master_weights, lora).values())
+  trained = trained_params(model, lora)
   rows_per_chip = max(1, shape["rows"] // chips)
   found = None
   m = 1
   while m <= rows_per_chip:
     tokens = shape["rows"] * shape["length"] / chips / m
-    act = act_bytes(g, a, model_config, chips, tokens)
+    act = act_bytes(g, a, model_config, chips, tokens, trained)
     if state + act <= HEADROOM * chip.hbm_bytes:
       found = (m, act)
       break
@@ -132,8 +176,10 @@ def fit(model: str, slice_name: str, shape: dict, master_weights: bool, g: float
     slice=slice_name,
     chips=chips,
     masters=master_weights,
+    lora_rank=lora[0],
+    quantize=lora[1],
     state_GiB=state / aot.GIB,
-    decode_GiB=2 * aot.params_count(model_config) / chips / aot.GIB,
+    decode_GiB=decode_bytes(model, lora) / chips / aot.GIB,
     hbm_GiB=chip.hbm_bytes / aot.GIB,
     microbatches=found[0] if found else None,
     act_GiB=found[1] / aot.GIB if found else None,
@@ -144,18 +190,43 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shape", default="appworld", choices=sorted(SHAPES))
   parser.add_argument("--calibration", nargs="*", default=[], help="aot_compile.py JSON reports")
+  parser.add_argument(
+    "--coefficients",
+    nargs=2,
+    type=float,
+    default=None,
+    metavar=("G", "A"),
+    help="g and a of the temporaries' fit, instead of --calibration",
+  )
+  parser.add_argument("--models", default=",".join(MODELS))
+  parser.add_argument(
+    "--lora",
+    default="",
+    help="LoRA variants, rank:base (none, int8, nf4), e.g. 16:none,16:int8,16:nf4",
+  )
   parser.add_argument("--json", default="")
   args = parser.parse_args()
   paths = [p for pattern in args.calibration for p in sorted(glob.glob(pattern))]
-  fitted = calibrate(paths)
-  if fitted is None:
-    parser.error("--calibration names fewer than 2 compiled updates with remat=full")
-  g, a, points = fitted
+  if args.coefficients:
+    (g, a), points = args.coefficients, []
+  else:
+    fitted = calibrate(paths)
+    if fitted is None:
+      parser.error(
+        "--calibration names fewer than 2 compiled updates with remat=full (or give "
+        "--coefficients G A)"
+      )
+    g, a, points = fitted
+  models = args.models.split(",")
+  variants = [(0, "none")]
+  if args.lora:
+    variants = [(int(r), q) for r, q in (v.split(":") for v in args.lora.split(","))]
   shape = SHAPES[args.shape]
   print(
     f"{args.shape}: {shape['rows']} rows x {shape['length']} tokens, {shape['turns']} turns; "
-    f"act = {g:.3g} x P / chips + {a:.3g} x L x h x tokens per micro-batch (bytes), fitted to "
-    f"{len(points)} compiled updates:"
+    f"act = {g:.3g} x P / chips + {a:.3g} x L x h x tokens per micro-batch (bytes; P the "
+    f"trained parameters), "
+    + (f"fitted to {len(points)} compiled updates:" if points else "the given coefficients")
   )
   for p in points:
     f = p["facts"]
@@ -167,24 +238,27 @@ def main():
     )
   rows = []
   print(
-    "\n| model | slice | chips | f32 masters | state GiB/chip | decode copy GiB/chip | "
+    "\n| model | LoRA | slice | chips | f32 masters | state GiB/chip | decode copy GiB/chip | "
     "fits at M | act GiB/chip | HBM GiB/chip |"
   )
-  print("|---|---|---|---|---|---|---|---|---|")
-  for model in MODELS:
-    for slice_name in aot.SLICES:
-      if slice_name == "v5e-4":
-        continue
-      for masters in (True, False):
-        row = fit(model, slice_name, shape, masters, g, a)
-        rows.append(row)
-        m = row["microbatches"]
-        act = f"{row['act_GiB']:.1f}" if m else "-"
-        print(
-          f"| {model} | {slice_name} | {row['chips']} | {'yes' if masters else 'no'} | "
-          f"{row['state_GiB']:.1f} | {row['decode_GiB']:.1f} | {m or 'no'} | {act} | "
-          f"{row['hbm_GiB']:.1f} |"
-        )
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for model in models:
+    for lora in variants:
+      for slice_name in aot.SLICES:
+        if slice_name == "v5e-4":
+          continue
+        # LoRA's adapters are float32: masters would change nothing.
+        for masters in (True, False) if not lora[0] else (False,):
+          row = fit(model, slice_name, shape, masters, g, a, lora)
+          rows.append(row)
+          m = row["microbatches"]
+          act = f"{row['act_GiB']:.1f}" if m else "-"
+          kind = f"r{lora[0]} {lora[1] if lora[1] != 'none' else 'bf16'}" if lora[0] else "-"
+          print(
+            f"| {model} | {kind} | {slice_name} | {row['chips']} | "
+            f"{'yes' if masters else 'no'} | {row['state_GiB']:.1f} | "
+            f"{row['decode_GiB']:.1f} | {m or 'no'} | {act} | {row['hbm_GiB']:.1f} |"
+          )
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(
