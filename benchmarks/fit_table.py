@@ -3,7 +3,7 @@
     python benchmarks/fit_table.py                    # Markdown table on stdout
     python benchmarks/fit_table.py --json fit.json --calibration /tmp/aot/*.json
     python benchmarks/fit_table.py --coefficients 17.5 4.0 --models qwen3-14b,qwen3-32b \
-        --lora 16:none,16:int8,16:nf4                # LoRA and QLoRA rows
+        --lora 16:none,16:int8,16:nf4 --base-coefficient 1.06    # LoRA and QLoRA rows
 
 Per model, slice and precision (float32 master weights or not) it gives, per chip:
 
@@ -21,7 +21,9 @@ Per model, slice and precision (float32 master weights or not) it gives, per chi
   LoRA       (`--lora rank:base`) the state is the float32 adapters and their moments beside
              the frozen base (bf16, int8 or nf4; it is the KL reference: no copy); the
              gradients' term of act counts the adapters' parameters, the residual term is
-             full fine-tuning's (the backward still runs through every layer).
+             full fine-tuning's (the backward still runs through every layer), and
+             `--base-coefficient` bytes per base parameter and chip are added (fitted by hand
+             to a compiled LoRA update: docs/accelerators.md).
   fits at M  the fewest micro-batches M (a power of two dividing the rows per chip) with
              state + act(M) within 90% of the chip's HBM, or "no" (the state alone is too big,
              or no M helps).
@@ -141,10 +143,15 @@ def decode_bytes(model: str, lora: tuple = (0, "none")) -> int:
   return total
 
 
-def act_bytes(g: float, a: float, model_config, chips: int, tokens: float, params: int) -> float:
+def act_bytes(
+  g: float, a: float, model_config, chips: int, tokens: float, params: int, frozen: float = 0.0
+) -> float:
   """The estimated temporaries per chip of an update with `tokens` tokens per chip and
-  micro-batch that trains `params` parameters."""
-  return g * params / chips + a * model_config.num_layers * model_config.hidden_size * tokens
+  micro-batch that trains `params` parameters; `frozen` bytes per chip more (LoRA: the frozen
+  base's share, `--base-coefficient` x base parameters / chips)."""
+  return (
+    g * params / chips + a * model_config.num_layers * model_config.hidden_size * tokens + frozen
+  )
 
 
 def fit(
@@ -155,18 +162,20 @@ def fit(
   g: float,
   a: float,
   lora: tuple = (0, "none"),
+  base_coefficient: float = 0.0,
 ):
   chip = aot.CHIPS[aot.SLICES[slice_name][0]]
   chips = chips_of(slice_name)
   model_config = config_lib.get_preset(model)
   state = sum(state_per_chip(model, chips, master_weights, lora).values())
   trained = trained_params(model, lora)
+  frozen = base_coefficient * aot.params_count(model_config) / chips if lora[0] else 0.0
   rows_per_chip = max(1, shape["rows"] // chips)
   found = None
   m = 1
   while m <= rows_per_chip:
     tokens = shape["rows"] * shape["length"] / chips / m
-    act = act_bytes(g, a, model_config, chips, tokens, trained)
+    act = act_bytes(g, a, model_config, chips, tokens, trained, frozen)
     if state + act <= HEADROOM * chip.hbm_bytes:
       found = (m, act)
       break
@@ -197,6 +206,12 @@ def main():
     default=None,
     metavar=("G", "A"),
     help="g and a of the temporaries' fit, instead of --calibration",
+  )
+  parser.add_argument(
+    "--base-coefficient",
+    type=float,
+    default=0.0,
+    help="LoRA rows: temporaries per frozen base parameter and chip, bytes (docs/accelerators.md)",
   )
   parser.add_argument("--models", default=",".join(MODELS))
   parser.add_argument(
@@ -249,7 +264,7 @@ def main():
           continue
         # LoRA's adapters are float32: masters would change nothing.
         for masters in (True, False) if not lora[0] else (False,):
-          row = fit(model, slice_name, shape, masters, g, a, lora)
+          row = fit(model, slice_name, shape, masters, g, a, lora, args.base_coefficient)
           rows.append(row)
           m = row["microbatches"]
           act = f"{row['act_GiB']:.1f}" if m else "-"

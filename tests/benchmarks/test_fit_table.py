@@ -44,6 +44,7 @@ c = config_lib.get_preset("qwen3-0.6b")
 out["row"] = row
 out["lora_row"] = fit_table.fit("qwen3-0.6b", "v5p-8", shape, False, g, a, (16, "int8"))
 out["lora_trained"] = fit_table.trained_params("qwen3-0.6b", (16, "int8"))
+out["lora_b_row"] = fit_table.fit("qwen3-0.6b", "v5p-8", shape, False, g, a, (16, "int8"), 2.0)
 out["params"] = aot.params_count(c)
 out["layers_hidden"] = c.num_layers * c.hidden_size
 print(json.dumps(out))
@@ -97,3 +98,9 @@ def test_the_fit_recovers_known_coefficients_and_m_is_the_fewest_that_fits(tmp_p
   m = lora["microbatches"]
   act = 10.0 * out["lora_trained"] / chips + 3.0 * lh * rows * length / chips / m
   assert abs(lora["act_GiB"] * gib - act) < 1e-3 * gib
+  # The frozen base's term: b = 2 bytes per base parameter and chip, added at the cell's M.
+  lora_b = out["lora_b_row"]
+  m = lora_b["microbatches"]
+  act = 10.0 * out["lora_trained"] / chips + 2.0 * p / chips
+  act += 3.0 * lh * rows * length / chips / m
+  assert abs(lora_b["act_GiB"] * gib - act) < 1e-3 * gib
