@@ -14,6 +14,7 @@ transformers and vLLM.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -238,22 +239,20 @@ def load_params(
 def _quantize_on(params: qwen.Params, fmt: str, mesh: Optional[Mesh]) -> qwen.Params:
   """`quant.quantize_params` one projection at a time, each kernel deleted once its codes
   exist (the host and devices never hold the whole base twice), placed on `mesh`'s rules."""
+  quantize = functools.partial(quant.quantize_params, fmt=fmt)
   out = dict(params)
   out["layers"] = {k: dict(v) for k, v in params["layers"].items()}
   for module, names in quant.PROJECTIONS.items():
     for name in names:
-      leaves = out["layers"][module][name]
-      kernel = leaves["kernel"]
+      leaves = dict(out["layers"][module][name])
+      kernel = leaves.pop("kernel")
       one = {"layers": {module: {name: {"kernel": kernel}}}}
-      shapes = jax.eval_shape(lambda p: quant.quantize_params(p, fmt), one)  # noqa: B023
-      if mesh is None:
-        shardings = None
-      else:
-        shardings = sharding_lib.param_shardings(shapes, mesh)
-      q = jax.jit(lambda p: quant.quantize_params(p, fmt), out_shardings=shardings)(one)  # noqa: B023
+      shardings = None
+      if mesh is not None:
+        shardings = sharding_lib.param_shardings(jax.eval_shape(quantize, one), mesh)
+      codes = jax.jit(quantize, out_shardings=shardings)(one)["layers"][module][name]
       kernel.delete()
-      leaves = {k: v for k, v in leaves.items() if k != "kernel"}
-      out["layers"][module][name] = {**leaves, **q["layers"][module][name]}
+      out["layers"][module][name] = {**leaves, **codes}
   return out
 
 

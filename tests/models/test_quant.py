@@ -115,3 +115,22 @@ def test_quantized_leaves_follow_their_kernels_partition_rules():
   assert sharding.param_spec("layers/attn/o_proj/kernel_scale") == sharding.P(
     None, "tensor", "fsdp"
   )
+
+
+def test_a_checkpoint_loads_quantized_kernel_by_kernel_onto_the_rules(tmp_path):
+  from seeupo_jax.models import checkpoint as hf_checkpoint  # noqa: PLC0415
+
+  config = tiny.model_config()
+  params = qwen.init_params(config, jax.random.key(0))
+  hf_checkpoint.save(params, config, str(tmp_path))
+  mesh = sharding.make_mesh(fsdp=-1)
+  for fmt in ("int8", "nf4"):
+    loaded = hf_checkpoint.load_params(str(tmp_path), config.replace(quantize=fmt), mesh)
+    want = quant.quantize_params(params, fmt)
+    assert jax.tree.structure(loaded) == jax.tree.structure(want)
+    jax.tree.map(
+      lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), loaded, want
+    )
+    shardings = sharding.param_shardings(loaded, mesh)
+    for got, s in zip(jax.tree.leaves(loaded), jax.tree.leaves(shardings)):
+      assert got.sharding.is_equivalent_to(s, got.ndim)
