@@ -52,6 +52,8 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
   (r"(attn/[qkv]_proj|mlp/(gate|up)_proj)/lora_b$", P(None, None, "tensor")),
   (r"(attn/o_proj|mlp/down_proj)/lora_a$", P(None, "tensor", None)),
   (r"(attn/o_proj|mlp/down_proj)/lora_b$", P(None, None, "fsdp")),
+  (r"(^|/)lm_head/lora_a$", P("fsdp", None)),  # [D, r]
+  (r"(^|/)lm_head/lora_b$", P(None, "tensor")),  # [r, V]
   (r"scale$", P()),  # norms
 )
 

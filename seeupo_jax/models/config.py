@@ -13,7 +13,11 @@ from typing import Any
 from seeupo_jax import fields
 
 DTYPES = ("float32", "bfloat16")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_LAYER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = LORA_LAYER_TARGETS + ("lm_head",)
+"""What an adapter can go on: the decoder layers' projections (the default, PEFT's "all-linear"),
+and the output projection `lm_head` (its logits then reach any scale: the frozen final norm and
+head bound every logit of the base, which a from-scratch model cannot learn past)."""
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 QUANTIZE_FORMATS = ("none", "int8", "nf4")  # a frozen base's projections (models/quant.py)
 _POSITIVE = fields.int_at_least(1)
@@ -53,7 +57,8 @@ class ModelConfig:
           (`layers.causal_attend`); 32 is fastest on the 2-core benchmark CPU.
       lora_rank: r of the LoRA adapters (`models/lora.py`) the params hold; 0: none.
       lora_alpha: the adapters' alpha; their output is scaled by alpha / r (`lora_scale`).
-      lora_targets: the projections that get an adapter (of `LORA_TARGETS`).
+      lora_targets: the projections that get an adapter (of `LORA_TARGETS`); "lm_head" needs
+          an untied head (tie_word_embeddings False).
       quantize: "none", or the format the decoder layers' projection kernels are held in,
           "int8" or "nf4" (`models/quant.py`; a frozen base: QLoRA).
   """
@@ -79,7 +84,8 @@ class ModelConfig:
   lora_rank: int = fields.field(fields.described(fields.int_at_least(0), "0: no adapters"), 0)
   lora_alpha: float = fields.field(fields.number_above(0), 16.0)
   lora_targets: tuple = fields.field(
-    fields.described(fields.tuple_of(fields.one_of(LORA_TARGETS)), "at least one"), LORA_TARGETS
+    fields.described(fields.tuple_of(fields.one_of(LORA_TARGETS)), "at least one"),
+    LORA_LAYER_TARGETS,
   )
   quantize: str = fields.field(fields.one_of(QUANTIZE_FORMATS), "none")
 
@@ -95,6 +101,14 @@ class ModelConfig:
     if self.lora_rank and not self.lora_targets:
       raise fields.FieldError.of(
         "ModelConfig", "lora_targets", self.lora_targets, f"some of {list(LORA_TARGETS)}"
+      )
+    if self.lora_rank and "lm_head" in self.lora_targets and self.tie_word_embeddings:
+      raise fields.FieldError.of(
+        "ModelConfig",
+        "lora_targets",
+        self.lora_targets,
+        "no 'lm_head' with tie_word_embeddings=True (the head is the embedding; an adapter on it "
+        "would untie them in the merged export)",
       )
     if self.head_dim % 2:
       raise fields.FieldError.of("ModelConfig", "head_dim", self.head_dim, "an even int (RoPE)")

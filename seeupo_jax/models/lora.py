@@ -10,6 +10,7 @@ the layer axis like it:
 
   layers/attn/{q,k,v,o}_proj/{lora_a [L, in, r], lora_b [L, r, out]}
   layers/mlp/{gate,up,down}_proj/{lora_a [L, in, r], lora_b [L, r, out]}
+  lm_head/{lora_a [D, r], lora_b [r, V]}            (target "lm_head": the output projection)
 
 The model applies an adapter wherever the params hold one (`layers._lora_delta`), so the same
 functions run the base (the KL reference: the params without adapters) and the adapted policy.
@@ -32,11 +33,12 @@ import jax
 import jax.numpy as jnp
 
 from seeupo_jax.models import quant
-from seeupo_jax.models.config import LORA_TARGETS
+from seeupo_jax.models.config import LORA_LAYER_TARGETS
 
 Params = Any
 
-# Adaptable projections: config name -> (module, HF submodule), in PEFT's naming.
+# The decoder layers' adaptable projections: config name -> (module, HF submodule), in PEFT's
+# naming. The other target, "lm_head", is the output projection (`HEAD`).
 TARGETS = {
   "q_proj": ("attn", "self_attn"),
   "k_proj": ("attn", "self_attn"),
@@ -46,13 +48,16 @@ TARGETS = {
   "up_proj": ("mlp", "mlp"),
   "down_proj": ("mlp", "mlp"),
 }
-assert tuple(TARGETS) == LORA_TARGETS, LORA_TARGETS
+assert tuple(TARGETS) == LORA_LAYER_TARGETS, LORA_LAYER_TARGETS
+HEAD = "lm_head"
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 
 
 def projection_shape(config, name: str) -> tuple[int, int]:
-  """(in, out) features of projection `name` of `config` (a `ModelConfig`)."""
+  """(in, out) features of projection `name` (a `LORA_TARGETS` name) of `config`."""
   d, f = config.hidden_size, config.intermediate_size
+  if name == HEAD:
+    return d, config.vocab_size
   q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
   return {
     "q_proj": (d, q),
@@ -69,27 +74,42 @@ def init_adapters(config, key: jax.Array) -> Params:
   """Fresh adapters for `config.lora_targets` at rank `config.lora_rank`, float32.
 
   A_l ~ U(-1/sqrt(in), 1/sqrt(in)) [L, in, r] (PEFT's kaiming-uniform with a = sqrt(5)),
-  B_l = 0 [L, r, out]: the adapted model equals the base until B moves.
+  B_l = 0 [L, r, out]: the adapted model equals the base until B moves. The head's adapter has
+  no layer axis: A [D, r], B [r, V].
 
   Returns:
-    {"layers": {module: {name: {"lora_a", "lora_b"}}}}, empty when lora_rank is 0.
+    {"layers": {module: {name: {"lora_a", "lora_b"}}}, "lm_head": {"lora_a", "lora_b"}} (the
+    targets configured), empty when lora_rank is 0.
   """
   r, num_layers = config.lora_rank, config.num_layers
   tree: dict = {}
   if not r:
     return tree
-  keys = jax.random.split(key, len(TARGETS))
-  for k, name in zip(keys, TARGETS):
+  keys = jax.random.split(key, len(TARGETS) + 1)
+  for k, name in zip(keys, tuple(TARGETS) + (HEAD,)):
     if name not in config.lora_targets:
       continue
     fan_in, fan_out = projection_shape(config, name)
     bound = fan_in**-0.5
-    module = TARGETS[name][0]
-    tree.setdefault("layers", {}).setdefault(module, {})[name] = {
-      "lora_a": jax.random.uniform(k, (num_layers, fan_in, r), jnp.float32, -bound, bound),
-      "lora_b": jnp.zeros((num_layers, r, fan_out), jnp.float32),
+    lead = () if name == HEAD else (num_layers,)
+    adapter = {
+      "lora_a": jax.random.uniform(k, lead + (fan_in, r), jnp.float32, -bound, bound),
+      "lora_b": jnp.zeros(lead + (r, fan_out), jnp.float32),
     }
+    if name == HEAD:
+      tree[HEAD] = adapter
+    else:
+      tree.setdefault("layers", {}).setdefault(TARGETS[name][0], {})[name] = adapter
   return tree
+
+
+def head_delta(params: Params, scale: float):
+  """scale * A B [D, V] float32 of the head's adapter where `params` holds one, else None."""
+  ab = params.get(HEAD, {})
+  if "lora_a" not in ab:
+    return None
+  a, b = ab["lora_a"].astype(jnp.float32), ab["lora_b"].astype(jnp.float32)
+  return scale * (a @ b)
 
 
 def is_adapter_path(path) -> bool:
@@ -144,7 +164,11 @@ def merge(params: Params, scale: float) -> Params:
   if not adapters:
     return base
   out = jax.tree.map(lambda x: x, base)  # new dicts, the same leaves
-  for module, projections in adapters["layers"].items():
+  delta = head_delta(adapters, scale)
+  if delta is not None:  # untied: ModelConfig refuses a head adapter on a tied head
+    kernel = out[HEAD]["kernel"]
+    out[HEAD]["kernel"] = (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+  for module, projections in adapters.get("layers", {}).items():
     for name, ab in projections.items():
       kernel = out["layers"][module][name]["kernel"]
       delta = jnp.einsum(

@@ -4,6 +4,7 @@ PEFT (the torch library) names a Qwen2/Qwen3 adapter's tensors
 
     base_model.model.model.layers.{i}.{self_attn|mlp}.{name}.lora_A.weight   [r, in]
     base_model.model.model.layers.{i}.{self_attn|mlp}.{name}.lora_B.weight   [out, r]
+    base_model.model.lm_head.lora_A.weight / lora_B.weight     [r, D] / [V, r]  (target lm_head)
 
 and scales their product by lora_alpha / r, as `models/lora.py` does: our A_l [in, r] is the
 transpose of lora_A, our B_l [r, out] the transpose of lora_B. `save` writes what
@@ -25,7 +26,7 @@ import numpy as np
 
 from seeupo_jax.models import lora
 from seeupo_jax.models import safetensors_io
-from seeupo_jax.models.config import ModelConfig
+from seeupo_jax.models.config import LORA_TARGETS, ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -33,6 +34,10 @@ _PREFIX = "base_model.model."
 _KEY = re.compile(
   r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
+_HEAD_KEY = re.compile(r"^(?:base_model\.model\.)?lm_head\.lora_([AB])\.weight$")
+# PEFT's copy of the frozen head, written beside an lm_head adapter (`save_embedding_layers`):
+# not read, the head is the base's.
+_HEAD_COPY = re.compile(r"^(?:base_model\.model\.)?lm_head\.(?:base_layer\.)?weight$")
 
 
 def _peft_name(layer: int, name: str, which: str) -> str:
@@ -71,7 +76,8 @@ def save(
   """Writes `adapters` (`lora.split(params)[0]`, stacked [L, ...]) as a PEFT adapter directory.
 
   Args:
-    adapters: {"layers": {module: {name: {"lora_a" [L, in, r], "lora_b" [L, r, out]}}}}.
+    adapters: {"layers": {module: {name: {"lora_a" [L, in, r], "lora_b" [L, r, out]}}}}, and
+      "lm_head": {"lora_a" [D, r], "lora_b" [r, V]} with that target.
     config: the model's config (rank, alpha, targets, layers).
     directory: output directory (created).
     base_model_name_or_path: recorded in the config: the HF base the adapter belongs to.
@@ -91,6 +97,14 @@ def save(
             return np.asarray(jax.device_get(leaf[layer]), np.float32).T
 
           entries.append((_peft_name(layer, name, which), shape, fetch))
+  for which, leaf in (("A", "lora_a"), ("B", "lora_b")):
+    if lora.HEAD in adapters:
+      value = adapters[lora.HEAD][leaf]
+
+      def fetch_head(value=value):
+        return np.asarray(jax.device_get(value), np.float32).T
+
+      entries.append((f"{_PREFIX}lm_head.lora_{which}.weight", value.shape[::-1], fetch_head))
   entries.sort(key=lambda e: e[0])
   fetchers = {name: fetch for name, _, fetch in entries}
   safetensors_io.write_file(
@@ -134,12 +148,12 @@ def read_config(directory: str) -> dict:
     if cfg.get(key):
       _refuse(directory, key, cfg[key], "empty (one rank and alpha for every layer)")
   targets = cfg.get("target_modules")
-  if isinstance(targets, str) or not targets or any(t not in lora.TARGETS for t in targets):
-    _refuse(directory, "target_modules", targets, f"a list of some of {list(lora.TARGETS)}")
+  if isinstance(targets, str) or not targets or any(t not in LORA_TARGETS for t in targets):
+    _refuse(directory, "target_modules", targets, f"a list of some of {list(LORA_TARGETS)}")
   return {
     "rank": int(cfg["r"]),
     "alpha": float(cfg["lora_alpha"]),
-    "targets": tuple(t for t in lora.TARGETS if t in targets),
+    "targets": tuple(t for t in LORA_TARGETS if t in targets),
   }
 
 
@@ -168,15 +182,38 @@ def load(directory: str, config: ModelConfig) -> lora.Params:
       )
   reader = safetensors_io.SafetensorsReader(os.path.join(directory, WEIGHTS_FILE))
   per_layer: dict = {}
+  head: dict = {}
   for key in reader.keys():
+    if lora.HEAD in cfg["targets"] and _HEAD_COPY.match(key):
+      want = lora.projection_shape(config, lora.HEAD)[::-1]
+      if tuple(reader.shape(key)) != want:
+        raise ValueError(
+          f"{directory}: {key} has shape {reader.shape(key)}, the model's head {want}"
+        )
+      continue
     value = reader.tensor(key)
+    m = _HEAD_KEY.match(key)
+    if m is not None and lora.HEAD in cfg["targets"]:
+      head["lora_" + m.group(1).lower()] = jnp.asarray(np.asarray(value, np.float32).T)
+      continue
     m = _KEY.match(key)
     if m is None or m.group(3) not in cfg["targets"]:
       raise ValueError(f"{directory}: tensor {key!r} is not an adapter of {list(cfg['targets'])}")
     layer, name, which = int(m.group(1)), m.group(3), m.group(4)
     per_layer[(name, which, layer)] = np.asarray(value, np.float32).T
   tree: dict = {}
-  for name in cfg["targets"]:
+  if lora.HEAD in cfg["targets"]:
+    want = lora.projection_shape(config, lora.HEAD)
+    want = {"lora_a": (want[0], config.lora_rank), "lora_b": (config.lora_rank, want[1])}
+    for leaf, shape in want.items():
+      if leaf not in head:
+        raise ValueError(f"{directory}: the lm_head adapter's {leaf} is missing")
+      if head[leaf].shape != shape:
+        raise ValueError(
+          f"{directory}: lm_head {leaf} has shape {head[leaf].shape}, the model needs {shape}"
+        )
+    tree[lora.HEAD] = head
+  for name in (t for t in cfg["targets"] if t != lora.HEAD):
     module = lora.TARGETS[name][0]
     stacked = {}
     for which, leaf in (("A", "lora_a"), ("B", "lora_b")):

@@ -335,10 +335,14 @@ def paged_hidden_states(
 
 
 def output_kernel(params: Params, config: ModelConfig) -> jax.Array:
-  """[D, V] output projection (the embedding transposed when tied)."""
+  """[D, V] output projection (the embedding transposed when tied). With an adapter on the head
+  (`models/lora.py`, target "lm_head"): W + alpha / r * A B, summed in float32 and cast to W's
+  dtype, as `lora.merge` exports it."""
   if config.tie_word_embeddings:
     return params["embed"]["embedding"].T
-  return params["lm_head"]["kernel"]
+  w = params["lm_head"]["kernel"]
+  delta = lora.head_delta(params, config.lora_scale)
+  return w if delta is None else (w.astype(jnp.float32) + delta).astype(w.dtype)
 
 
 def forward(

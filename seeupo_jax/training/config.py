@@ -92,7 +92,8 @@ def _lora_targets_ok(value) -> bool:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoraSection:
   """`model.lora`: LoRA adapters (`models/lora.py`). rank > 0 trains adapters of that rank on
-  the `targets` projections beside the frozen base; 0 trains every weight. `quantize` holds
+  the `targets` projections beside the frozen base (default: every decoder projection; add
+  `lm_head` for the output projection); 0 trains every weight. `quantize` holds
   the base's projections in int8 or NF4 (QLoRA)."""
 
   rank: int = _like(model_config_lib.ModelConfig, "lora_rank")
@@ -102,7 +103,7 @@ class LoraSection:
       _lora_targets_ok,
       f"comma-separated names of {list(model_config_lib.LORA_TARGETS)} (at least one)",
     ),
-    ",".join(model_config_lib.LORA_TARGETS),
+    ",".join(model_config_lib.LORA_LAYER_TARGETS),
   )
   # QLoRA: the frozen base's projections held in int8 or NF4 (`models/quant.py`); needs rank > 0.
   quantize: str = _like(model_config_lib.ModelConfig, "quantize")

@@ -1,6 +1,7 @@
 """LoRA through the learner: adapters trained beside a frozen base (`init_state(..., base=)`).
 
-The adapters' gradients are checked against the whole model's, for every algorithm of the
+The adapters' gradients (on every target: each layer's seven projections and the lm_head) are
+checked against the whole model's, for every algorithm of the
 registry and on quantized bases (W the dequantized kernel): with W' = W + s A B the loss
 depends on A and B only through W', so dL/dA = s G B^T and dL/dB = s A^T G, G = dL/dW' (the
 chain rule). One plain-SGD step of the full-parameter update at the merged weights W' gives
@@ -15,6 +16,7 @@ import optax
 import pytest
 
 from seeupo_jax import learner
+from seeupo_jax.models import config as config_lib
 from seeupo_jax.models import lora
 from seeupo_jax.models import quant
 from seeupo_jax.models import qwen
@@ -25,7 +27,22 @@ RANK, ALPHA = 4, 8.0
 
 
 def _config():
-  return tiny.model_config().replace(lora_rank=RANK, lora_alpha=ALPHA)
+  """Adapters on every target: the seven projections of each layer and the lm_head."""
+  return tiny.model_config().replace(
+    lora_rank=RANK, lora_alpha=ALPHA, lora_targets=config_lib.LORA_TARGETS
+  )
+
+
+def _adapted_kernels(adapters, params):
+  """(name, adapter {"lora_a", "lora_b"}, its kernel in `params`), with a leading layer axis
+  (the head's adapter and kernel get one of size 1)."""
+  out = []
+  for module, projections in adapters["layers"].items():
+    for name, ab in projections.items():
+      out.append((name, ab, params["layers"][module][name]["kernel"]))
+  head = adapters[lora.HEAD]
+  out.append((lora.HEAD, jax.tree.map(lambda x: x[None], head), params[lora.HEAD]["kernel"][None]))
+  return out
 
 
 def _rollout(config, params):
@@ -122,22 +139,21 @@ def test_adapter_step_is_the_chain_rule_of_the_full_models(adapted, algorithm, f
   np.testing.assert_allclose(metrics["loss"], full_metrics["loss"], rtol=1e-4, atol=2e-6)
 
   s = config.lora_scale
-  for module, projections in adapters["layers"].items():
-    for name, ab in projections.items():
-      w_old = np.asarray(merged["layers"][module][name]["kernel"], np.float64)
-      w_new = np.asarray(full_state.params["layers"][module][name]["kernel"], np.float64)
-      g = (w_old - w_new) / LR  # [L, in, out]
-      a = np.asarray(ab["lora_a"], np.float64)
-      b = np.asarray(ab["lora_b"], np.float64)
-      want_a = a - LR * s * np.einsum("lio,lro->lir", g, b)
-      want_b = b - LR * s * np.einsum("lir,lio->lro", a, g)
-      got = state.params["layers"][module][name]
-      moved = np.abs(want_b - b).max()
-      assert moved > 1e-4, (module, name, moved)  # the check can fail
-      for got_x, want, old in ((got["lora_a"], want_a, a), (got["lora_b"], want_b, b)):
-        step_err = np.abs(np.asarray(got_x, np.float64) - want).max()
-        step_size = np.abs(want - old).max()
-        assert step_err <= 2e-3 * step_size + 1e-6, (module, name, step_err, step_size)
+  before = _adapted_kernels(adapters, merged)
+  after = _adapted_kernels(state.params, full_state.params)
+  assert sorted(n for n, _, _ in before) == sorted(config_lib.LORA_TARGETS)  # every target
+  for (name, ab, w_old), (_, got, w_new) in zip(before, after):
+    g = (np.asarray(w_old, np.float64) - np.asarray(w_new, np.float64)) / LR  # [L, in, out]
+    a = np.asarray(ab["lora_a"], np.float64)
+    b = np.asarray(ab["lora_b"], np.float64)
+    want_a = a - LR * s * np.einsum("lio,lro->lir", g, b)
+    want_b = b - LR * s * np.einsum("lir,lio->lro", a, g)
+    moved = np.abs(want_b - b).max()
+    assert moved > 1e-4, (name, moved)  # the check can fail
+    for got_x, want, old in ((got["lora_a"], want_a, a), (got["lora_b"], want_b, b)):
+      step_err = np.abs(np.asarray(got_x, np.float64) - want).max()
+      step_size = np.abs(want - old).max()
+      assert step_err <= 2e-3 * step_size + 1e-6, (name, step_err, step_size)
   # The base is frozen: the very values it had (its codes, when quantized).
   for x, y in zip(jax.tree.leaves(state.base), jax.tree.leaves(base)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

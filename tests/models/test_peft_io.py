@@ -15,7 +15,7 @@ from seeupo_jax.models import peft_io
 from seeupo_jax.models import qwen
 import tiny
 
-TARGETS = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")
+TARGETS = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj", "lm_head")
 
 
 def _ids():
@@ -131,7 +131,7 @@ def _write_config(directory, **changes):
     ("bias", "all"),
     ("rank_pattern", {"q_proj": 8}),
     ("target_modules", "q_proj|v_proj"),
-    ("target_modules", ["q_proj", "lm_head"]),
+    ("target_modules", ["q_proj", "embed_tokens"]),
     ("peft_type", "IA3"),
   ],
 )
