@@ -91,8 +91,8 @@ def build(name: str, args, mesh, batch):
 def decode(args) -> dict:
   """One sampler call (prefill + `--new` tokens, greedy) per variant and round: the base alone,
   the base with the adapters unmerged (what the sampler runs), the adapters merged into a copy
-  of the kernels (what a merge per iteration would give), and the adapters unmerged on an NF4
-  base; plus the time of the merge itself."""
+  of the kernels (what a merge per iteration would give), the adapters unmerged on an NF4
+  base, and unmerged with one more on the lm_head; plus the time of the merge itself."""
   from seeupo_jax import sampling  # noqa: PLC0415
   from seeupo_jax.models import quant  # noqa: PLC0415
 
@@ -118,6 +118,11 @@ def decode(args) -> dict:
       lora.combine(quant.quantize_params(base, "nf4"), adapters),
     ),
   }
+  # The same adapters plus one on the lm_head (target "lm_head": W + s A B each step).
+  head_config = config.replace(lora_targets=config_lib.LORA_TARGETS)
+  head = lora.init_adapters(head_config, jax.random.key(2))["lm_head"]
+  head = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(next(keys), x.shape), head)
+  variants["unmerged_with_head"] = (head_config, lora.combine(base, {**adapters, "lm_head": head}))
   sampling_config = sampling.SamplingConfig(max_new_tokens=args.new, greedy=True)
   rng = np.random.default_rng(0)
   prompt = jnp.asarray(rng.integers(1, config.vocab_size, (args.batch, args.prompt)), jnp.int32)

@@ -309,6 +309,163 @@ def rloo_advantages(
   return jnp.where((group_sizes > 1) & valid, scale * deviations, 0.0)
 
 
+def _turn_segments(*keys: Array) -> Array:
+  """int32[M]: one id per distinct tuple of `keys` (each int [M]), in [0, M).
+
+  Entries are sorted by the keys (lexicographic) and a new id starts wherever a key changes;
+  O(M log M), where an equality matrix would take M^2 memory.
+  """
+  order = jnp.lexsort(keys[::-1])  # lexsort sorts by its last key first
+  changed = jnp.zeros(order.shape, bool)
+  for key in keys:
+    k = key[order]
+    changed = changed | jnp.concatenate([jnp.ones((1,), bool), k[1:] != k[:-1]])
+  sorted_ids = jnp.cumsum(changed.astype(jnp.int32)) - 1
+  return jnp.zeros(order.shape, jnp.int32).at[order].set(sorted_ids)
+
+
+def _segment_normalise(values: Array, segments: Array, valid: Array, group_std: bool, eps: float):
+  """Per entry: (v − mean_S v) [/ (std_S v + eps)] over its segment S's valid entries (unbiased
+  std); 0 for segments of one and invalid entries. Shapes [M]."""
+  sizes, deviations, variances = _group_stats(values, segments, values.shape[0], valid)
+  out = jnp.where((sizes > 1) & valid, deviations, 0.0)
+  if group_std:
+    out = out / (jnp.sqrt(variances) + eps)
+  return jnp.where(valid, out, 0.0)
+
+
+def _check_turns(rewards: Array, group_ids: Array, turn_valid: Array, valid: Array | None):
+  valid = _check_rows(rewards, group_ids, valid)
+  chex.assert_rank(turn_valid, 2)
+  chex.assert_axis_dimension(turn_valid, 0, rewards.shape[0])
+  return valid, jnp.asarray(turn_valid, bool) & valid[:, None]
+
+
+def gigpo_advantages(
+  rewards: Array,
+  group_ids: Array,
+  num_groups: int,
+  state_keys: Array,
+  turn_valid: Array,
+  *,
+  gamma: float = 1.0,
+  step_weight: float = 1.0,
+  group_std: bool = True,
+  valid: Array | None = None,
+  eps: float = 1e-6,
+) -> Array:
+  """GiGPO's per-turn advantages (Feng et al., 2025, arXiv 2505.10978): the episode's
+  group-relative advantage plus a step-level one over "anchor states" that recur in the group.
+
+    A^E_i    = (R_i − mean_{G(i)} R) / (std_{G(i)} R + eps)        (GRPO's; no std if not group_std)
+    G_{i,t}  = gamma^(T_i − 1 − t) R_i                              (turn t's discounted return;
+                                                                     T_i the row's turns)
+    S(i,t)   = {(j, u): j in G(i), turn u valid, s_{j,u} = s_{i,t}} (the anchor-state group)
+    A^S_{i,t} = (G_{i,t} − mean_S G) / (std_S G + eps)              (0 when |S| = 1)
+    A_{i,t}  = A^E_i + step_weight * A^S_{i,t}
+
+  Every std is unbiased and over valid entries only. A state key < 0 (the environment gave
+  none) makes a group of one: that turn gets A^E alone. The outcome reward is the only reward
+  (the paper's sparse-reward setting).
+
+  Args:
+    rewards: [B] float, the outcome reward R_i.
+    group_ids: [B] int in [0, num_groups), the task of each row.
+    num_groups: static int.
+    state_keys: [B, T] int, s_{i,t}: a key of the environment's state before turn t (equal keys
+      = the same state), < 0 where unknown.
+    turn_valid: [B, T] bool, True where row i has turn t (turns 0..T_i − 1).
+    gamma: the step returns' discount (the paper's 0.95; 1: every turn's return is R_i).
+    step_weight: the step-level term's weight (the paper's omega, 1).
+    group_std: divide both terms by their group's std (the paper's); False: centre only.
+    valid: optional [B] bool, False for padding rows.
+    eps: added to every std.
+
+  Returns:
+    float32 [B, T], 0 where the turn or the row is not valid.
+  """
+  valid, turn_valid = _check_turns(rewards, group_ids, turn_valid, valid)
+  chex.assert_equal_shape([state_keys, turn_valid])
+  chex.assert_type(state_keys, int)
+  rewards = _f32(rewards)
+  b, t = turn_valid.shape
+  episode = grae_advantages(
+    rewards, group_ids, num_groups, group_std=group_std, batch_norm=False, clip=None, valid=valid
+  )
+  turns = jnp.sum(turn_valid, axis=1).astype(jnp.float32)  # T_i (turns are 0..T_i - 1)
+  steps_to_go = turns[:, None] - 1.0 - jnp.arange(t, dtype=jnp.float32)[None, :]
+  returns = jnp.power(jnp.float32(gamma), jnp.maximum(steps_to_go, 0.0)) * rewards[:, None]
+  anchored = turn_valid & (state_keys >= 0)
+  rows = jnp.broadcast_to(group_ids[:, None], (b, t)).reshape(-1)
+  keys = jnp.where(anchored, state_keys, -1).reshape(-1)
+  segments = _turn_segments(rows, keys.astype(jnp.int32))
+  step = _segment_normalise(returns.reshape(-1), segments, anchored.reshape(-1), group_std, eps)
+  out = episode[:, None] + step_weight * step.reshape(b, t)
+  return jnp.where(turn_valid, out, 0.0)
+
+
+def mt_grpo_advantages(
+  rewards: Array,
+  turn_rewards: Array,
+  group_ids: Array,
+  num_groups: int,
+  turn_valid: Array,
+  *,
+  outcome_weight: float = 1.0,
+  group_std: bool = True,
+  valid: Array | None = None,
+  eps: float = 1e-6,
+) -> Array:
+  """MT-GRPO's per-turn advantages (Zeng et al., 2025, arXiv 2505.11821): group-normalised
+  turn rewards to go plus the group-normalised outcome.
+
+    A^O_i     = (R_i − mean_{G(i)} R) / (std_{G(i)} R + eps)
+    A^r_{i,k} = (r_{i,k} − mean_{G_k(i)} r_k) / (std_{G_k(i)} r_k + eps),
+                G_k(i) = the rows of G(i) that have turn k             (0 when |G_k(i)| = 1)
+    A_{i,t}   = sum_{k = t}^{T_i − 1} A^r_{i,k} + outcome_weight * A^O_i
+
+  With two turns and a turn reward on the first only (the paper's setting), turn 0 gets
+  A^r_0 + outcome_weight * A^O and turn 1 the outcome's term. G_k(i) holds only the rows that
+  reached turn k: where the policy decides when to stop, that conditioning biases the turn
+  term (docs/theory.md, "Turn-level credit").
+
+  Args:
+    rewards: [B] float, the outcome reward R_i.
+    turn_rewards: [B, T] float, r_{i,k}, the environment's reward for turn k (0 where none).
+    group_ids: [B] int in [0, num_groups).
+    num_groups: static int.
+    turn_valid: [B, T] bool, True where row i has turn k.
+    outcome_weight: lambda, the outcome term's weight (the paper's 1).
+    group_std: divide by the group's std (the paper's); False: centre only.
+    valid: optional [B] bool, False for padding rows.
+    eps: added to every std.
+
+  Returns:
+    float32 [B, T], 0 where the turn or the row is not valid.
+  """
+  valid, turn_valid = _check_turns(rewards, group_ids, turn_valid, valid)
+  chex.assert_equal_shape([turn_rewards, turn_valid])
+  b, t = turn_valid.shape
+  outcome = grae_advantages(
+    _f32(rewards),
+    group_ids,
+    num_groups,
+    group_std=group_std,
+    batch_norm=False,
+    clip=None,
+    valid=valid,
+  )
+  rows = jnp.broadcast_to(group_ids[:, None], (b, t)).reshape(-1)
+  turn_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t)).reshape(-1)
+  segments = _turn_segments(rows.astype(jnp.int32), turn_index)
+  per_turn = _segment_normalise(
+    _f32(turn_rewards).reshape(-1), segments, turn_valid.reshape(-1), group_std, eps
+  ).reshape(b, t)
+  to_go = jnp.flip(jnp.cumsum(jnp.flip(per_turn, axis=1), axis=1), axis=1)  # sum over k >= t
+  out = to_go + outcome_weight * outcome[:, None]
+  return jnp.where(turn_valid, out, 0.0)
+
+
 def gae_advantages(
   token_rewards: Array,
   values: Array,

@@ -46,7 +46,8 @@ CRITIC_FREE_ADVANTAGES = {
   "gspo_token": (True, False, False),
   "dapo": (True, False, False),
 }
-TOKEN_CLIP = ("grpo", "ppo", "dr_grpo", "dapo")
+TOKEN_CLIP = ("grpo", "ppo", "dr_grpo", "dapo", "gigpo", "mt_grpo")
+TURN_LEVEL = ("gigpo", "mt_grpo")  # per-turn advantages from Batch.turn_states / turn_rewards
 SEQUENCE_CLIP = ("seeupo", "gspo", "gspo_token")
 
 
@@ -295,6 +296,9 @@ def reference_update(
   overlong_cache_tokens=0,
   critic=None,
   critic_lr=None,
+  normalisation=None,
+  step_weight=None,
+  outcome_weight=None,
 ):
   """One training iteration with SGD, one mini-batch per epoch, from the definitions.
 
@@ -394,6 +398,41 @@ def reference_update(
       table = table - lr * table_grad(table, tokens, g)
       v = v - critic_lr * (dvalues * token_valid).sum(0)
       steps.append(metrics)
+  elif algorithm in TURN_LEVEL:
+    turn_valid = np.array(
+      [
+        [bool((generated[i] * (turn_ids[i] == t)).any()) for t in range(num_turns)]
+        for i in range(n)
+      ]
+    )
+    group_std = normalisation in (None, "group")
+    if algorithm == "gigpo":
+      per_turn = lref.gigpo(
+        rewards,
+        group_ids,
+        np.asarray(batch.turn_states),
+        turn_valid,
+        row_valid,
+        gamma,
+        1.0 if step_weight is None else step_weight,
+        group_std,
+      )
+    else:
+      per_turn = lref.mt_grpo(
+        rewards,
+        _f64(batch.turn_rewards),
+        group_ids,
+        turn_valid,
+        row_valid,
+        1.0 if outcome_weight is None else outcome_weight,
+        group_std,
+      )
+    adv = np.zeros((n, length))
+    for i in range(n):
+      for j in range(length):
+        if generated[i, j]:
+          adv[i, j] = per_turn[i, turn_ids[i, j]]
+    table = policy_steps(table, logp_at(table), adv, generated, epochs)
   elif algorithm == "seeupo":
     adv_rows = critic_free_advantages(algorithm, rewards, group_ids, row_valid, advantage_clip)
     discount = turn_discount(turn_ids, generated, gamma)

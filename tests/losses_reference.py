@@ -4,6 +4,7 @@ Written from the paper's formulas, not from the JAX code:
 plain Python loops over rows, groups and tokens.
 """
 
+import collections
 import math
 
 import numpy as np
@@ -174,4 +175,71 @@ def correction(m, new_logp, old_logp, mask, lo=0.2, hi=0.2):
       continue
     rho = min(max(math.exp(min(max(s_log[b], -LIMIT), LIMIT)), 1 - lo), 1 + hi)
     out[b] = min(max(out[b] * rho, 1 - lo), 1 + hi)
+  return out
+
+
+def _norm(values, group_std):
+  """{key: values} -> f(key, v): v minus its group's mean [/ (unbiased std + 1e-6)]; 0 in a
+  group of one."""
+  stats = {}
+  for key, vs in values.items():
+    vs = np.asarray(vs, np.float64)
+    std = vs.std(ddof=1) if len(vs) > 1 else 0.0
+    stats[key] = (vs.mean(), std, len(vs))
+
+  def f(key, v):
+    mean, std, n = stats[key]
+    if n < 2:
+      return 0.0
+    return (v - mean) / (std + 1e-6) if group_std else v - mean
+
+  return f
+
+
+def gigpo(rewards, groups, keys, turn_valid, valid, gamma, omega, group_std):
+  """GiGPO's advantages [B, T] (arXiv 2505.10978): episode term + omega * anchor-state term."""
+  b, t = turn_valid.shape
+  turn_valid = turn_valid & valid[:, None]
+  by_group = collections.defaultdict(list)
+  for i in range(b):
+    if valid[i]:
+      by_group[groups[i]].append(rewards[i])
+  episode = _norm(by_group, group_std)
+  returns, by_state = {}, collections.defaultdict(list)
+  for i in range(b):
+    n_turns = int(turn_valid[i].sum())
+    for u in range(t):
+      if turn_valid[i, u]:
+        returns[i, u] = gamma ** (n_turns - 1 - u) * rewards[i]
+        if keys[i, u] >= 0:
+          by_state[groups[i], keys[i, u]].append(returns[i, u])
+  step = _norm(by_state, group_std)
+  out = np.zeros((b, t))
+  for i in range(b):
+    for u in range(t):
+      if turn_valid[i, u]:
+        s = step((groups[i], keys[i, u]), returns[i, u]) if keys[i, u] >= 0 else 0.0
+        out[i, u] = episode(groups[i], rewards[i]) + omega * s
+  return out
+
+
+def mt_grpo(rewards, turn_rewards, groups, turn_valid, valid, lam, group_std):
+  """MT-GRPO's advantages [B, T] (arXiv 2505.11821): normalised turn rewards to go + lam * the
+  outcome's."""
+  b, t = turn_valid.shape
+  turn_valid = turn_valid & valid[:, None]
+  by_group, by_turn = collections.defaultdict(list), collections.defaultdict(list)
+  for i in range(b):
+    if valid[i]:
+      by_group[groups[i]].append(rewards[i])
+    for k in range(t):
+      if turn_valid[i, k]:
+        by_turn[groups[i], k].append(turn_rewards[i, k])
+  outcome, per_turn = _norm(by_group, group_std), _norm(by_turn, group_std)
+  out = np.zeros((b, t))
+  for i in range(b):
+    n_turns = int(turn_valid[i].sum())
+    for u in range(n_turns):
+      to_go = sum(per_turn((groups[i], k), turn_rewards[i, k]) for k in range(u, n_turns))
+      out[i, u] = to_go + lam * outcome(groups[i], rewards[i])
   return out

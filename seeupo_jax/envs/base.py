@@ -5,8 +5,8 @@ trajectory (the rollout loop creates them with the registry's factory and
 drives them from a thread pool, so an instance is used by one thread at a
 time):
 
-    reset(task_id) -> Reset(messages, tools)     # the conversation's opening messages
-    step(assistant_text) -> Step(observation, done, info)
+    reset(task_id) -> Reset(messages, tools, state)     # the conversation's opening messages
+    step(assistant_text) -> Step(observation, done, info, state, reward)
     score() -> Score(reward, success, details)   # callable at any point of the episode
     close()
 
@@ -33,10 +33,13 @@ class Reset:
 
   messages: the chat messages before the first assistant turn (system, user, ...).
   tools: JSON-schema tool definitions passed to the chat template, or None.
+  state: a key of the environment's state before the first turn (equal keys = the same state:
+    GiGPO's anchor states, `losses.gigpo_advantages`), or None where the family has none.
   """
 
   messages: list[Message]
   tools: Optional[list[dict]] = None
+  state: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +50,16 @@ class Step:
   done: the episode is over (the agent finished, failed for good, or ran out of turns the
     environment allows).
   info: anything worth logging about this turn (JSON-able).
+  state: a key of the environment's state after the reply (before the next turn), or None.
+  reward: the reply's own reward (MT-GRPO's turn reward, `losses.mt_grpo_advantages`), or None
+    where the family gives none; the learner's outcome reward stays `Score.reward`.
   """
 
   observation: list[Message]
   done: bool
   info: dict = dataclasses.field(default_factory=dict)
+  state: Optional[str] = None
+  reward: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +108,8 @@ class EnvSpec:
   chance: the success rate of a policy that ignores the observations (what a model starts at
     before it learns the task), when the family knows it exactly; None otherwise. The training
     program draws it as a line on the learning curves.
+  turn_states: the family's `Reset.state` and `Step.state` are set (GiGPO can train on it).
+  turn_rewards: the family's `Step.reward` is set (MT-GRPO can train on it).
   """
 
   make: Callable[[], Environment]
@@ -109,6 +119,8 @@ class EnvSpec:
   capacity: Optional[Callable[[], int]] = None
   isolation: str = "thread"
   chance: Optional[float] = None
+  turn_states: bool = False
+  turn_rewards: bool = False
 
 
 class EnvironmentUnavailable(RuntimeError):

@@ -16,7 +16,10 @@ given once at the end, is
     reward = (1 - c) * opened + c * dials_right / D   (partial_credit = c)
 
 so it depends on the action of every turn, and no turn is told whether it was
-right: which turns earned the reward is the learner's to work out. Some
+right: which turns earned the reward is the learner's to work out. For the turn-level
+algorithms the environment also reports, beside what the model sees, each turn's own reward
+(`Step.reward`: 1 if the dial was set right, else 0; MT-GRPO's) and its state (`Reset.state`,
+`Step.state`: the dials set so far, e.g. "left,right"; GiGPO's anchor states). Some
 partial credit (default 0.5) gives a model trained from scratch a signal
 before it can open whole locks; 0 is the sparse version.
 
@@ -182,7 +185,7 @@ class SyntheticEnv:
     self._set = []
     rules = system_prompt(self.config.num_dials) if self.config.instructions else SHORT_SYSTEM
     messages = [{"role": "system", "content": rules}, self._dial_message(0)]
-    return base.Reset(messages=messages, tools=None)
+    return base.Reset(messages=messages, tools=None, state="")
 
   def step(self, assistant_text: str) -> base.Step:
     if self._lock is None:
@@ -195,9 +198,10 @@ class SyntheticEnv:
     if self.config.latency_ms > 0:
       time.sleep(step_latency_s(self.config, self._task_id, t))
     info = {"dial": dial}
+    turn = dict(state=",".join(self._set), reward=float(dial == self._lock.directions[t - 1]))
     if t == self.config.num_dials:
-      return base.Step(observation=[], done=True, info=info)
-    return base.Step(observation=[self._dial_message(t)], done=False, info=info)
+      return base.Step(observation=[], done=True, info=info, **turn)
+    return base.Step(observation=[self._dial_message(t)], done=False, info=info, **turn)
 
   def score(self) -> base.Score:
     if self._lock is None:
@@ -228,4 +232,6 @@ def spec(config: SyntheticConfig) -> base.EnvSpec:
     task_ids=task_ids,
     max_turns=config.num_dials,
     chance=2.0**-config.num_dials,  # each dial's direction is a fair coin, whatever is replied
+    turn_states=True,
+    turn_rewards=True,
   )

@@ -14,10 +14,17 @@ import dataclasses
 import types
 from typing import Any, Mapping
 
-ADVANTAGES = ("grae", "rloo", "gae")
+ADVANTAGES = ("grae", "rloo", "gae", "gigpo", "mt_grpo")
 """grae: R - group mean, then the configured normalisation (`losses.grae_advantages`).
 rloo: leave-one-out baseline (`losses.rloo_advantages`).
-gae: GAE from a separately trained critic, over generated tokens (`losses.gae_advantages`)."""
+gae: GAE from a separately trained critic, over generated tokens (`losses.gae_advantages`).
+gigpo: per turn, the episode's group-relative advantage plus one over the turns of the group
+  that start from the same environment state (`losses.gigpo_advantages`; `Batch.turn_states`).
+mt_grpo: per turn, group-normalised turn rewards to go plus the outcome's group-relative
+  advantage (`losses.mt_grpo_advantages`; `Batch.turn_rewards`)."""
+
+TURN_LEVEL = ("gigpo", "mt_grpo")
+"""The advantages given per turn ([N, T]), from what the environment reports per turn."""
 
 LOSSES = ("sequence_clip", "token_clip", "reinforce")
 """sequence_clip: `losses.sequence_clip_loss` (one ratio per row of the mask, GSPO).
@@ -26,6 +33,12 @@ reinforce: `losses.reinforce_loss` (on-policy policy gradient)."""
 
 SEQUENTIAL_OPTIONS = ("order", "custom_order", "correction")
 """The options of the sequential (HAML) update: they apply to sequential algorithms only."""
+
+GIGPO_OPTIONS = ("step_weight",)
+"""GiGPO's weight of the step-level (anchor-state) term."""
+
+MT_GRPO_OPTIONS = ("outcome_weight",)
+"""MT-GRPO's weight of the outcome term."""
 
 DYNAMIC_SAMPLING_OPTIONS = ("dynamic_sampling",)
 """DAPO's dynamic sampling, in the update: the rows of groups whose rewards are all equal are
@@ -156,6 +169,24 @@ _RECORDS = (
     normalisation="group",
     defaults={"clip_high": 0.28, "agg": "token-mean", "dynamic_sampling": True},
     options=DYNAMIC_SAMPLING_OPTIONS,
+  ),
+  Algorithm(
+    "gigpo",
+    "GiGPO: token-level clip; per turn, the episode's group advantage + the anchor state's",
+    advantage="gigpo",
+    loss="token_clip",
+    normalisation="group",
+    normalisations=("none", "group"),
+    options=GIGPO_OPTIONS,
+  ),
+  Algorithm(
+    "mt_grpo",
+    "MT-GRPO: token-level clip; per turn, the group-normalised turn rewards to go + the outcome's",
+    advantage="mt_grpo",
+    loss="token_clip",
+    normalisation="group",
+    normalisations=("none", "group"),
+    options=MT_GRPO_OPTIONS,
   ),
 )
 

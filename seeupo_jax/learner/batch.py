@@ -40,6 +40,11 @@ class Batch:
       id form a GRAE group.
     row_valid: bool[N], False for padding rows that fill a fixed batch shape
       (they count nowhere).
+    turn_rewards: float32[N, T] or None, the environment's reward for each turn (0 where it
+      gives none); MT-GRPO's input (`losses.mt_grpo_advantages`).
+    turn_states: int32[N, T] or None, a key of the environment's state before each turn
+      (equal keys = the same state; -1 where unknown); GiGPO's anchor states
+      (`losses.gigpo_advantages`).
   """
 
   tokens: jax.Array
@@ -49,6 +54,8 @@ class Batch:
   rewards: jax.Array
   group_ids: jax.Array
   row_valid: jax.Array
+  turn_rewards: Optional[jax.Array] = None
+  turn_states: Optional[jax.Array] = None
 
   @property
   def num_rows(self) -> int:
@@ -64,6 +71,20 @@ def check_shapes(batch: Batch) -> None:
   chex.assert_type([batch.tokens, batch.turn_ids, batch.group_ids], int)
   chex.assert_type([batch.token_valid, batch.row_valid], bool)
   chex.assert_type([batch.sample_logp, batch.rewards], float)
+  for name, kind in (("turn_rewards", float), ("turn_states", int)):
+    value = getattr(batch, name)
+    if value is not None:
+      chex.assert_rank(value, 2)
+      chex.assert_axis_dimension(value, 0, batch.tokens.shape[0])
+      chex.assert_type(value, kind)
+
+
+def row_turns(batch: Batch, num_turns: int) -> jax.Array:
+  """bool[N, T]: entry (i, t) is True if valid row i has a generated token at turn t."""
+  on = generated_mask(batch, num_turns) > 0
+  slots = jnp.where(on, batch.turn_ids, num_turns)  # T = "no turn": dropped below
+  count = jax.vmap(lambda s: jnp.zeros((num_turns,), jnp.int32).at[s].add(1, mode="drop"))
+  return count(slots) > 0
 
 
 def generated_mask(batch: Batch, num_turns: int) -> jax.Array:
@@ -136,6 +157,17 @@ def validate(batch: Any, num_turns: int, *, num_rows: Optional[int] = None) -> N
     fail(f"group_ids must be in [0, N={n})", (groups < 0) | (groups >= n))
   if not np.all(np.isfinite(np.asarray(batch.rewards))[row_valid]):
     fail("rewards must be finite", ~np.isfinite(np.asarray(batch.rewards)) & row_valid)
+  for name in ("turn_rewards", "turn_states"):
+    value = getattr(batch, name)
+    if value is not None and np.shape(value)[1] != num_turns:
+      raise ValueError(
+        f"invalid Batch: {name} has {np.shape(value)[1]} turns, the learner's num_turns is "
+        f"{num_turns}"
+      )
+  if batch.turn_rewards is not None:
+    finite = np.isfinite(np.asarray(batch.turn_rewards)).all(1)
+    if not np.all(finite[row_valid]):
+      fail("turn_rewards must be finite", ~finite & row_valid)
 
 
 def batch_shardings(batch: Batch, mesh: Mesh) -> Batch:

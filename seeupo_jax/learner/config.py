@@ -107,6 +107,11 @@ class LearnerConfig:
     dapo_max_refills: with `dynamic_sampling`, the training program's extra rollouts per
       iteration to replace the groups whose rewards are all equal (0: none); the update
       does not read it.
+    step_weight: GiGPO's omega, the weight of the step-level (anchor-state) advantage; None:
+      1.0 (the paper's). GiGPO only. GiGPO discounts the step returns by `gamma` (the paper's
+      0.95; our default 1).
+    outcome_weight: MT-GRPO's lambda, the weight of the outcome advantage beside the turn
+      rewards'; None: 1.0 (the paper's). MT-GRPO only.
   """
 
   algorithm: str = fields.field(fields.one_of(ALGORITHMS), "seeupo")
@@ -140,6 +145,8 @@ class LearnerConfig:
   )
   turn_buckets: int = fields.field(_POSITIVE, 4)
   dapo_max_refills: int = fields.field(fields.int_at_least(0), 3)
+  step_weight: Optional[float] = fields.field(fields.optional(fields.number_at_least(0)), None)
+  outcome_weight: Optional[float] = fields.field(fields.optional(fields.number_at_least(0)), None)
 
   def __post_init__(self):
     fields.check(self)  # each field on its own; then what involves the algorithm or other fields
@@ -194,6 +201,13 @@ class LearnerConfig:
         f"False for algorithm={self.algorithm!r} (it applies to group-relative advantages only)",
         self.dynamic_sampling,
       )
+    for field, group in (
+      ("step_weight", algorithms.GIGPO_OPTIONS),
+      ("outcome_weight", algorithms.MT_GRPO_OPTIONS),
+    ):
+      if getattr(self, field) is not None and field not in spec.options:
+        owner = "gigpo" if group is algorithms.GIGPO_OPTIONS else "mt_grpo"
+        raise _bad(field, f"None unless algorithm={owner!r}", getattr(self, field))
     if self.overlong_max_tokens is not None:
       if self.overlong_cache_tokens > self.overlong_max_tokens:
         raise _bad(

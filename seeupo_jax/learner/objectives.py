@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from seeupo_jax import losses
+from seeupo_jax.learner import batch as batch_lib
 from seeupo_jax.learner.config import LearnerConfig
 from seeupo_jax.learner.dapo import overlong_penalty  # noqa: F401
 from seeupo_jax.learner.dapo import informative_rows as informative_groups  # noqa: F401
@@ -55,6 +56,66 @@ def trajectory_advantages(
     clip=config.advantage_clip if norm == "batch" else None,
     valid=row_valid,
   )
+
+
+def turn_advantages(batch, config: LearnerConfig) -> Array:
+  """float32[N, T]: the turn-level advantages of `config.algorithm` (gigpo or mt_grpo).
+
+    gigpo:   `losses.gigpo_advantages` over `batch.turn_states`, discount `config.gamma`,
+             step weight `config.step_weight` (None: 1)
+    mt_grpo: `losses.mt_grpo_advantages` of `batch.turn_rewards`, outcome weight
+             `config.outcome_weight` (None: 1)
+  Both divide by the group's std with normalisation "group" (their default) and only centre
+  with "none".
+
+  Raises:
+    ValueError (at trace time): the batch lacks the field the algorithm reads.
+  """
+  name = config.spec.advantage
+  needs = {"gigpo": "turn_states", "mt_grpo": "turn_rewards"}[name]
+  if getattr(batch, needs) is None:
+    raise ValueError(
+      f"algorithm={config.algorithm!r} needs Batch.{needs} [N, T] (the environment's "
+      f"{'state key' if name == 'gigpo' else 'reward'} per turn); this batch has none"
+    )
+  turns = batch_lib.row_turns(batch, config.num_turns)
+  group_std = config.advantage_normalisation == "group"
+  n = batch.rewards.shape[0]
+  if name == "gigpo":
+    return losses.gigpo_advantages(
+      batch.rewards,
+      batch.group_ids,
+      n,
+      batch.turn_states,
+      turns,
+      gamma=config.gamma,
+      step_weight=1.0 if config.step_weight is None else config.step_weight,
+      group_std=group_std,
+      valid=batch.row_valid,
+    )
+  return losses.mt_grpo_advantages(
+    batch.rewards,
+    batch.turn_rewards,
+    batch.group_ids,
+    n,
+    turns,
+    outcome_weight=1.0 if config.outcome_weight is None else config.outcome_weight,
+    group_std=group_std,
+    valid=batch.row_valid,
+  )
+
+
+def on_turn_tokens(per_turn: Array, turn_ids: Array, mask: Array) -> Array:
+  """float32[N, L]: per_turn[i, turn_ids[i, l]] on the tokens of `mask`, 0 elsewhere.
+
+  Args:
+    per_turn: float32[N, T].
+    turn_ids: int32[N, L] (-1 off the generated tokens).
+    mask: float32[N, L], the generated tokens that count.
+  """
+  chex.assert_rank([per_turn, turn_ids, mask], 2)
+  slots = jnp.clip(turn_ids, 0, per_turn.shape[1] - 1)
+  return jnp.take_along_axis(per_turn, slots, axis=1) * mask
 
 
 def turn_discounts(turn_ids: Array, mask: Array, gamma: float) -> Array:

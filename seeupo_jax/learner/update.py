@@ -621,10 +621,20 @@ def _trajectory_advantages(
   return Advantages(advantages)
 
 
+def _turn_advantages(fns: UpdateFns, state: TrainState, batch: Batch, mask: Array) -> Advantages:
+  """Per-turn advantages [N, T] (`objectives.turn_advantages`: GiGPO's or MT-GRPO's), each
+  turn's on its tokens ([N, L])."""
+  del state
+  per_turn = objectives.turn_advantages(batch, fns.config)
+  return Advantages(objectives.on_turn_tokens(per_turn, batch.turn_ids, mask))
+
+
 _ADVANTAGE_ESTIMATORS = {
   "grae": _trajectory_advantages,
   "rloo": _trajectory_advantages,
   "gae": _gae_advantages,
+  "gigpo": _turn_advantages,
+  "mt_grpo": _turn_advantages,
 }
 """`Algorithm.advantage` -> its estimator (fns, state, batch, mask) -> `Advantages`."""
 assert set(_ADVANTAGE_ESTIMATORS) == set(algorithms.ADVANTAGES), algorithms.ADVANTAGES

@@ -349,7 +349,7 @@ class Roller:
       except workers_lib.EnvCallFailed:
         if attempt == self.config.reset_retries:
           raise
-    return handle, reset.tools, self.chat.prompt_ids(reset.messages, reset.tools)
+    return handle, reset.tools, self.chat.prompt_ids(reset.messages, reset.tools), reset.state
 
   def _step(self, episode: _Episode, text: str, reply_closed: bool, last_turn: bool):
     """env.step + the observation's ids (cut to max_env_tokens)."""
@@ -547,7 +547,8 @@ class Roller:
       self._fail(episode, error)
       return
     if kind == "reset":
-      episode.handle, episode.tools, prompt = result
+      episode.handle, episode.tools, prompt, state = result
+      trajectory.turn_states.append(state)
       if len(prompt) + 1 > self.config.max_context_tokens:
         self._fail(
           episode,
@@ -559,11 +560,13 @@ class Roller:
     elif kind == "step":
       step, ids, cut = result
       trajectory.truncated_env_tokens += cut
+      trajectory.turn_rewards.append(step.reward)
       if step.done:
         trajectory.finish_reason = "done"
       elif trajectory.num_turns == self.config.max_turns:
         trajectory.finish_reason = "max_turns"
       else:
+        trajectory.turn_states.append(step.state)
         self._give(episode, ids)
         return
       self._submit("score", episode, self.workers.score, episode.handle)

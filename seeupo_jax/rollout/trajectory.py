@@ -9,6 +9,7 @@ observation's ids (`turn_ids` -1), and the episode's outcome and metadata.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Optional, Sequence
 
 import numpy as np
@@ -27,6 +28,8 @@ class Trajectory:
   tokens, turn_ids, logprobs: parallel lists; turn_ids[j] = t on reply tokens of turn t
     (their logprobs are the sampler's), -1 on prompt/template/observation tokens (logprob 0).
   group: index of the task in the call (the GRAE group); sample: index within the group.
+  turn_states: the environment's state key before each turn (`Reset.state`, then each
+    `Step.state`; None where it gave none); turn_rewards: each turn's `Step.reward` (None: none).
   """
 
   task_id: str
@@ -48,6 +51,8 @@ class Trajectory:
   error: Optional[str] = None
   dropped: bool = False  # its group had a failure: not trained on
   retried_errors: list[str] = dataclasses.field(default_factory=list)  # earlier failed attempts
+  turn_states: list[Optional[str]] = dataclasses.field(default_factory=list)
+  turn_rewards: list[Optional[float]] = dataclasses.field(default_factory=list)
 
   def append(self, ids: Sequence[int], turn: int, logprobs: Optional[Sequence[float]] = None):
     self.tokens.extend(int(i) for i in ids)
@@ -75,6 +80,8 @@ class Trajectory:
       "error": self.error,
       "dropped": self.dropped,
       "retried_errors": self.retried_errors,
+      "turn_states": self.turn_states,
+      "turn_rewards": self.turn_rewards,
     }
 
 
@@ -114,6 +121,8 @@ def collate(
   rewards = np.zeros((n,), np.float32)
   group_ids = np.zeros((n,), np.int32)
   row_valid = np.zeros((n,), bool)
+  turn_rewards = np.zeros((n, num_turns), np.float32)
+  turn_states = np.full((n, num_turns), -1, np.int32)
   for i, t in enumerate(trajectories):
     k = len(t.tokens)
     if not (len(t.turn_ids) == len(t.logprobs) == k):
@@ -127,6 +136,10 @@ def collate(
     rewards[i] = t.reward
     group_ids[i] = t.group
     row_valid[i] = k > 0 and not t.dropped
+    for turn, value in enumerate(t.turn_rewards[:num_turns]):
+      turn_rewards[i, turn] = 0.0 if value is None else value
+    for turn, state in enumerate(t.turn_states[:num_turns]):
+      turn_states[i, turn] = -1 if state is None else state_key(state)
   return Batch(
     tokens=tokens,
     token_valid=token_valid,
@@ -135,4 +148,14 @@ def collate(
     rewards=rewards,
     group_ids=group_ids,
     row_valid=row_valid,
+    turn_rewards=turn_rewards,
+    turn_states=turn_states,
   )
+
+
+def state_key(state: str) -> int:
+  """A state's int32 key in [0, 2^31): the first 31 bits of its BLAKE2b digest. Keys are only
+  compared within a group (one task's n samples, at most n * T states), where two different
+  states share a key with probability about (n T)^2 / 2^32."""
+  digest = hashlib.blake2b(state.encode(), digest_size=4).digest()
+  return int.from_bytes(digest, "little") & 0x7FFFFFFF

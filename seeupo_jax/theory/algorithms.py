@@ -8,7 +8,10 @@ a bandit rollout batch written as a learner `Batch`:
     tokens[:, 0]     = x, the context (a "prompt" token, turn_ids -1)
     tokens[:, 1 + t] = a_t, the action at turn t (turn_ids t)
     token_valid, row_valid all True; group_ids = x (one group per context);
-    rewards = r(x, a_1..a_T); sample_logp = the behaviour log-probs.
+    rewards = r(x, a_1..a_T); sample_logp = the behaviour log-probs;
+    turn_states = the decision state s_t of each turn (GiGPO's anchor states: rows of a
+    context that share a prefix of actions share the state); turn_rewards = 0 (the bandits
+    pay at the end only, so MT-GRPO would be GRPO and is not listed).
 
 The policy's `logprob_fn(theta, batch)` recovers each turn's decision state
 from the tokens (`decision_states`: the state numbering of `bandit.py`) and
@@ -37,6 +40,7 @@ whole run vmaps over seeds and learning rates.
 | grpo, gspo | "grpo" / "gspo" (group std) |
 | reinforce, rloo | "reinforce" / "rloo", 1 epoch x 1 mini-batch |
 | ppo | "ppo": GAE from a tabular critic with its own SGD (rate `critic_lr`), whitened, no clamp |
+| gigpo | "gigpo" (group std; step groups = the rollouts at the same decision state) |
 
 Every algorithm takes `lag` and `tis`; each bandit turn is one token, so the
 token-level weight of turn t is w_t = min(pi_prox(a_t | s_t) / pi_behav(a_t | s_t), C),
@@ -94,6 +98,7 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
   "reinforce": AlgorithmSpec("reinforce", "none"),
   "rloo": AlgorithmSpec("rloo", "none"),
   "ppo": AlgorithmSpec("ppo", "batch"),
+  "gigpo": AlgorithmSpec("gigpo", "group"),
 }
 
 
@@ -170,6 +175,8 @@ def rollout_batch(rollouts: bandit_lib.Rollouts, behaviour_log_pi: chex.Array) -
     rewards=rollouts.rewards.astype(jnp.float32),
     group_ids=rollouts.contexts.astype(jnp.int32),
     row_valid=jnp.ones((b,), bool),
+    turn_rewards=jnp.zeros((b, t_), jnp.float32),
+    turn_states=rollouts.states.astype(jnp.int32),
   )
 
 

@@ -265,6 +265,7 @@ def build(config: TrainConfig) -> Program:
         env_name, config.env_options(), processes.index, processes.count, processes.local_index
       ),
     )
+  _check_turn_inputs(config.learner, spec, env_name)
   model_config, tokenizer, load_params = build_model(config)
   with _config_values("chat_template_kwargs"):
     chat = chat_tokens.ChatTokens(tokenizer, dict(config.chat_template_kwargs))
@@ -358,6 +359,18 @@ def build(config: TrainConfig) -> Program:
     init_state=init_state,
     processes=processes,
   )
+
+
+def _check_turn_inputs(learner_config, spec: envs.EnvSpec, env_name: str) -> None:
+  """The turn-level algorithms need what the environment reports per turn: refused at config
+  time where the family gives none (GiGPO: a state key per turn; MT-GRPO: a reward per turn)."""
+  needs = {"gigpo": ("turn_states", "a state key"), "mt_grpo": ("turn_rewards", "a reward")}
+  need = needs.get(learner_config.spec.advantage)
+  if need is not None and not getattr(spec, need[0]):
+    raise ConfigError(
+      f"learner.algorithm={learner_config.algorithm!r} needs an environment that reports "
+      f"{need[1]} per turn; env.name={env_name!r} does not (EnvSpec.{need[0]} is False)"
+    )
 
 
 def _check_row_blocks(mesh: jax.sharding.Mesh, rows: int, processes) -> None:

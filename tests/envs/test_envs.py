@@ -82,6 +82,24 @@ def test_reading_the_clues_opens_every_lock_and_one_wrong_dial_fails():
     assert score.details == {"dials_set": 4, "dials_right": 3}
 
 
+def test_the_lock_reports_each_turns_state_and_reward_for_the_turn_level_algorithms():
+  spec = envs.make_spec("synthetic", {"num_dials": 3})
+  assert spec.turn_states and spec.turn_rewards
+  env = spec.make()
+  reset = env.reset("train/5")
+  right = synthetic.draw_lock(synthetic.SyntheticConfig(num_dials=3), "train/5").directions
+  replies = ["go", "stop", "go"]  # left, right, left
+  states, rewards = [reset.state], []
+  for reply in replies:
+    step = env.step(reply)
+    states.append(step.state)
+    rewards.append(step.reward)
+  assert states == ["", "left", "left,right", "left,right,left"]
+  assert rewards == [float(d == r) for d, r in zip(["left", "right", "left"], right)]
+  # Outside what the model sees: the observations carry no reward.
+  assert env.score().details["dials_right"] == sum(rewards)
+
+
 def test_chance_level_is_two_to_the_minus_dials():
   """A policy that ignores the observations opens 1/2^D of the locks (exact over all replies)."""
   spec = envs.make_spec("synthetic", {"num_dials": 3, "num_train_tasks": 4000, "partial_credit": 0})

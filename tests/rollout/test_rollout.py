@@ -29,7 +29,8 @@ class ScriptedEnv:
   """Task "<turns>/<obs words>/<fail>" : ends after <turns> replies; observations of <obs words>
   words; fail in {"", "reset", "step", "score"} raises there; "once" raises in the first step
   of that task only (across instances: a server that recovers). Reward = number of replies whose
-  text starts with a letter a-m (so it depends on what was sampled)."""
+  text starts with a letter a-m (so it depends on what was sampled); each turn's own reward is
+  1 for such a reply, and its state "start", then the replies so far joined by "|"."""
 
   calls = []
   failed_once = set()
@@ -55,7 +56,7 @@ class ScriptedEnv:
       ScriptedEnv.most_open = max(ScriptedEnv.most_open, ScriptedEnv.open_now)
     if fail == "reset":
       raise ConnectionError("server down")
-    return base.Reset([{"role": "user", "content": f"task {task_id}"}])
+    return base.Reset([{"role": "user", "content": f"task {task_id}"}], state="start")
 
   def step(self, text):
     with self.lock:
@@ -78,17 +79,21 @@ class ScriptedEnv:
         raise ConnectionError("server hiccup")
     done = len(self.replies) >= self.turns
     obs = [] if done else [{"role": "tool", "content": " ".join(["word"] * self.words)}]
-    return base.Step(obs, done, {})
+    return base.Step(obs, done, {}, state="|".join(self.replies), reward=float(_good(text)))
 
   def score(self):
     if self.fail == "score":
       raise ConnectionError("server down")
-    good = sum(r.lstrip()[:1].lower() in "abcdefghijklm" and r.strip() != "" for r in self.replies)
+    good = sum(_good(r) for r in self.replies)
     return base.Score(float(good), good == len(self.replies), {"replies": len(self.replies)})
 
   def close(self):
     with self.lock:
       ScriptedEnv.open_now -= 1
+
+
+def _good(reply):
+  return reply.lstrip()[:1].lower() in "abcdefghijklm" and reply.strip() != ""
 
 
 def _spec(max_turns=4, delay=0.0):
@@ -239,8 +244,15 @@ def test_an_episode_whose_server_recovers_is_replayed_from_the_start(params, cha
     assert t.error is None and not t.dropped and t.finish_reason == "done" and t.num_turns == 2
     assert sorted(set(t.turn_ids)) == [-1, 0, 1]
     assert t.score_details == {"replies": 2}  # the replay's two replies, not the failed three
+    # The state before each turn and each turn's reward, the replay's own.
+    assert t.turn_states == ["start", t.replies[0]]
+    assert t.turn_rewards == [float(_good(r)) for r in t.replies]
   batch = rollout.collate(result.trajectories, num_turns=3, max_len=1024)
   assert batch.row_valid.all()
+  for i, t in enumerate(result.trajectories):
+    keys = [rollout.trajectory.state_key(s) for s in t.turn_states]
+    assert batch.turn_states[i].tolist() == keys + [-1]  # no third turn: no state
+    assert batch.turn_rewards[i].tolist() == t.turn_rewards + [0.0]
 
 
 def test_an_environment_of_limited_capacity_gets_at_most_that_many_live_episodes(params, chat, tok):
@@ -376,6 +388,11 @@ def _trajectories(draw):
       t.append(draw(st.lists(st.integers(0, 500), max_size=3)), PROMPT_OR_ENV)
     t.reward = draw(st.floats(-1, 1))
     t.dropped = draw(st.booleans())
+    turns = len(set(t.turn_ids) - {PROMPT_OR_ENV})
+    t.turn_states = draw(
+      st.lists(st.none() | st.sampled_from(["", "a", "a,b"]), min_size=turns, max_size=turns)
+    )
+    t.turn_rewards = draw(st.lists(st.none() | st.floats(-1, 1), min_size=turns, max_size=turns))
     out.append(t)
   return out
 
@@ -398,7 +415,16 @@ def test_collate_places_each_trajectory_in_its_row(trajectories, bucket, extra_r
     assert batch.row_valid[i] == (not t.dropped)
     assert batch.group_ids[i] == t.group
     assert batch.rewards[i] == np.float32(t.reward)
+    states = [-1 if s is None else rollout.trajectory.state_key(s) for s in t.turn_states]
+    assert batch.turn_states[i].tolist() == states + [-1] * (3 - len(states))
+    rewards = [0.0 if r is None else r for r in t.turn_rewards]
+    np.testing.assert_array_equal(
+      batch.turn_rewards[i], np.float32(rewards + [0.0] * (3 - len(rewards)))
+    )
   assert not batch.row_valid[len(trajectories) :].any()
+  # Equal states, equal keys; different states, different keys (31-bit digests).
+  keys = {s: rollout.trajectory.state_key(s) for s in ("", "a", "a,b")}
+  assert len(set(keys.values())) == 3 and all(0 <= k < 2**31 for k in keys.values())
 
 
 def test_collate_refuses_what_it_cannot_hold():

@@ -1,5 +1,6 @@
 """`experiments/run.py` training: outputs, exact resume after kill -9, errors, HF export."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -321,3 +322,40 @@ def test_seeupo_learns_the_synthetic_task_well_above_chance(tmp_path):
   assert first < 0.45, first  # starts near chance
   assert last > 0.7, last
   assert records[-1]["eval/avg@4"] > 2.5 * chance, records[-1]["eval/avg@4"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["gigpo", "mt_grpo"])
+def test_the_turn_level_algorithms_train_from_run_py(tmp_path, algorithm):
+  """One iteration of GiGPO / MT-GRPO on the lock: the trajectories carry each turn's state and
+  reward (what the two read), and the update steps."""
+  proc = _run(
+    f"--workdir={tmp_path}",
+    *SMALL,
+    "--config.num_iterations=1",
+    "--config.eval.every=0",
+    f"--config.learner.algorithm={algorithm}",
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (record,) = metrics_log.read_metrics(str(tmp_path / "metrics.jsonl"))
+  assert record["optimizer_steps"] == 1 and record["advantage_abs_mean"] > 0
+  for line in (tmp_path / "trajectories.jsonl").read_text().splitlines():
+    t = json.loads(line)
+    dials = [
+      ("left" if r.lstrip()[:1].lower() in "abcdefghijklm" else "right") for r in t["replies"]
+    ]
+    assert t["turn_states"] == ["", dials[0]]  # before turn 0 and turn 1 (2 dials)
+    assert len(t["turn_rewards"]) == 2 and set(t["turn_rewards"]) <= {0.0, 1.0}
+
+
+def test_a_turn_level_algorithm_is_refused_where_the_environment_reports_nothing_per_turn():
+  from seeupo_jax import envs, learner  # noqa: PLC0415
+  from seeupo_jax.training import program  # noqa: PLC0415
+
+  spec = envs.EnvSpec(make=lambda: None, task_ids=lambda split: [], max_turns=2)
+  for algorithm, what in (("gigpo", "a state key"), ("mt_grpo", "a reward")):
+    config = learner.LearnerConfig(algorithm=algorithm)
+    with pytest.raises(program.ConfigError, match=f"needs an environment that reports {what}"):
+      program._check_turn_inputs(config, spec, "bfcl")
+    reporting = dataclasses.replace(spec, turn_states=True, turn_rewards=True)
+    program._check_turn_inputs(config, reporting, "synthetic")  # accepted
