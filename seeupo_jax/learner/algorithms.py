@@ -23,8 +23,16 @@ gigpo: per turn, the episode's group-relative advantage plus one over the turns 
 mt_grpo: per turn, group-normalised turn rewards to go plus the outcome's group-relative
   advantage (`losses.mt_grpo_advantages`; `Batch.turn_rewards`)."""
 
-TURN_LEVEL = ("gigpo", "mt_grpo")
-"""The advantages given per turn ([N, T]), from what the environment reports per turn."""
+TURN_INPUTS = {
+  "gigpo": ("turn_states", "a state key"),
+  "mt_grpo": ("turn_rewards", "a reward"),
+}
+"""The advantages given per turn ([N, T]), from what the environment reports per turn: the
+`Batch` field each reads (and the `EnvSpec` flag of the same name that says an environment
+reports it), and what that field holds per turn, for messages."""
+
+TURN_LEVEL = tuple(TURN_INPUTS)
+"""The advantages given per turn ([N, T])."""
 
 LOSSES = ("sequence_clip", "token_clip", "reinforce")
 """sequence_clip: `losses.sequence_clip_loss` (one ratio per row of the mask, GSPO).

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from seeupo_jax import losses
+from seeupo_jax.learner import algorithms
 from seeupo_jax.learner import batch as batch_lib
 from seeupo_jax.learner.config import LearnerConfig
 from seeupo_jax.learner.dapo import overlong_penalty  # noqa: F401
@@ -72,11 +73,11 @@ def turn_advantages(batch, config: LearnerConfig) -> Array:
     ValueError (at trace time): the batch lacks the field the algorithm reads.
   """
   name = config.spec.advantage
-  needs = {"gigpo": "turn_states", "mt_grpo": "turn_rewards"}[name]
+  needs, what = algorithms.TURN_INPUTS[name]
   if getattr(batch, needs) is None:
     raise ValueError(
       f"algorithm={config.algorithm!r} needs Batch.{needs} [N, T] (the environment's "
-      f"{'state key' if name == 'gigpo' else 'reward'} per turn); this batch has none"
+      f"{what.removeprefix('a ')} per turn); this batch has none"
     )
   turns = batch_lib.row_turns(batch, config.num_turns)
   group_std = config.advantage_normalisation == "group"

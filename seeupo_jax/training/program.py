@@ -22,6 +22,7 @@ from seeupo_jax.sampling import layout as decode_layout
 from seeupo_jax import distributed
 from seeupo_jax import envs
 from seeupo_jax import learner
+from seeupo_jax.learner import algorithms
 from seeupo_jax import rollout
 from seeupo_jax import sampling
 from seeupo_jax import sharding as sharding_lib
@@ -364,8 +365,7 @@ def build(config: TrainConfig) -> Program:
 def _check_turn_inputs(learner_config, spec: envs.EnvSpec, env_name: str) -> None:
   """The turn-level algorithms need what the environment reports per turn: refused at config
   time where the family gives none (GiGPO: a state key per turn; MT-GRPO: a reward per turn)."""
-  needs = {"gigpo": ("turn_states", "a state key"), "mt_grpo": ("turn_rewards", "a reward")}
-  need = needs.get(learner_config.spec.advantage)
+  need = algorithms.TURN_INPUTS.get(learner_config.spec.advantage)
   if need is not None and not getattr(spec, need[0]):
     raise ConfigError(
       f"learner.algorithm={learner_config.algorithm!r} needs an environment that reports "

@@ -145,3 +145,35 @@ def test_mt_grpo_by_hand():
     [-1 / 3 + 1 / 3, 0.0],
   ]
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
+
+
+def test_a_turn_level_algorithm_names_the_batch_field_it_lacks():
+  """`objectives.turn_advantages` on a batch without the field the algorithm reads: a ValueError
+  naming the field (what `run.py` refuses at config time, `program._check_turn_inputs`)."""
+  import pytest  # noqa: PLC0415
+
+  from seeupo_jax import learner  # noqa: PLC0415
+  from seeupo_jax.learner import batch as batch_lib  # noqa: PLC0415
+  from seeupo_jax.learner import objectives  # noqa: PLC0415
+
+  n, length = 2, 4
+  batch = batch_lib.Batch(
+    tokens=jnp.zeros((n, length), jnp.int32),
+    token_valid=jnp.ones((n, length), bool),
+    turn_ids=jnp.zeros((n, length), jnp.int32),
+    sample_logp=jnp.zeros((n, length), jnp.float32),
+    rewards=jnp.array([0.0, 1.0], jnp.float32),
+    group_ids=jnp.zeros((n,), jnp.int32),
+    row_valid=jnp.ones((n,), bool),
+    turn_rewards=jnp.ones((n, 1), jnp.float32),
+    turn_states=jnp.zeros((n, 1), jnp.int32),
+  )
+  for algorithm, field, what in (
+    ("gigpo", "turn_states", "state key"),
+    ("mt_grpo", "turn_rewards", "reward"),
+  ):
+    config = learner.LearnerConfig(algorithm=algorithm, num_turns=1)
+    assert objectives.turn_advantages(batch, config).shape == (n, 1)  # with the field
+    lacking = batch.replace(**{field: None})
+    with pytest.raises(ValueError, match=f"needs Batch.{field} .*environment's {what} per turn"):
+      objectives.turn_advantages(lacking, config)
