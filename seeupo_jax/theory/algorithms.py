@@ -10,8 +10,9 @@ a bandit rollout batch written as a learner `Batch`:
     token_valid, row_valid all True; group_ids = x (one group per context);
     rewards = r(x, a_1..a_T); sample_logp = the behaviour log-probs;
     turn_states = the decision state s_t of each turn (GiGPO's anchor states: rows of a
-    context that share a prefix of actions share the state); turn_rewards = 0 (the bandits
-    pay at the end only, so MT-GRPO would be GRPO and is not listed).
+    context that share a prefix of actions share the state); turn_rewards = the family's
+    r_t(x, a_<=t) (MT-GRPO's; `decoy` and `additive` report them, the other families none,
+    where MT-GRPO's advantage is GRPO's).
 
 The policy's `logprob_fn(theta, batch)` recovers each turn's decision state
 from the tokens (`decision_states`: the state numbering of `bandit.py`) and
@@ -41,6 +42,8 @@ whole run vmaps over seeds and learning rates.
 | reinforce, rloo | "reinforce" / "rloo", 1 epoch x 1 mini-batch |
 | ppo | "ppo": GAE from a tabular critic with its own SGD (rate `critic_lr`), whitened, no clamp |
 | gigpo | "gigpo" (group std; step groups = the rollouts at the same decision state) |
+| mt_grpo | "mt_grpo" (group std; the family's turn rewards, outcome weight 1) |
+| gigpo_nonorm, mt_grpo_nonorm | the same, normalisation none (each group's and step group's mean subtracted, no std) |
 
 Every algorithm takes `lag` and `tis`; each bandit turn is one token, so the
 token-level weight of turn t is w_t = min(pi_prox(a_t | s_t) / pi_behav(a_t | s_t), C),
@@ -99,6 +102,9 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
   "rloo": AlgorithmSpec("rloo", "none"),
   "ppo": AlgorithmSpec("ppo", "batch"),
   "gigpo": AlgorithmSpec("gigpo", "group"),
+  "mt_grpo": AlgorithmSpec("mt_grpo", "group"),
+  "gigpo_nonorm": AlgorithmSpec("gigpo", "none"),
+  "mt_grpo_nonorm": AlgorithmSpec("mt_grpo", "none"),
 }
 
 
@@ -175,7 +181,7 @@ def rollout_batch(rollouts: bandit_lib.Rollouts, behaviour_log_pi: chex.Array) -
     rewards=rollouts.rewards.astype(jnp.float32),
     group_ids=rollouts.contexts.astype(jnp.int32),
     row_valid=jnp.ones((b,), bool),
-    turn_rewards=jnp.zeros((b, t_), jnp.float32),
+    turn_rewards=rollouts.turn_rewards.astype(jnp.float32),
     turn_states=rollouts.states.astype(jnp.int32),
   )
 

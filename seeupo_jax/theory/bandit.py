@@ -15,9 +15,13 @@ Decision states. A state is (x, t, a_<t). States are numbered
 sum_{u<t} K^u` and `prefix = sum_{u<t} a_u K^(t-1-u)` (a_1 most significant).
 Trajectories are numbered `x * K^T + sum_t a_t K^(T-1-t)`, which is the row
 major order of `rewards[x].reshape(K, ..., K)`.
+
+Turn rewards. A family may also report a reward for each turn, r_t(x, a_<=t) (what an
+environment that checks each step would tell MT-GRPO, `losses.mt_grpo_advantages`), beside the
+outcome r. They are information for the learner only: J and J* are those of r.
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import chex
 import flax
@@ -35,12 +39,15 @@ class Bandit:
     context_probs: [X] float32, p(x), sums to 1.
     num_turns: T (static).
     num_actions: K (static).
+    turn_rewards: [X, K^T, T] float32 or None, r_t(x, a_<=t) of each trajectory's turn t
+      (it depends on the actions up to t only); None: the family reports none (all 0).
   """
 
   rewards: chex.Array
   context_probs: chex.Array
   num_turns: int = flax.struct.field(pytree_node=False)
   num_actions: int = flax.struct.field(pytree_node=False)
+  turn_rewards: Optional[chex.Array] = None
 
   @property
   def num_contexts(self) -> int:
@@ -225,12 +232,14 @@ class Rollouts(NamedTuple):
     states: [B, T] int32, decision state at each turn.
     actions: [B, T] int32, a_t.
     rewards: [B] float32, r(x, a_1..a_T).
+    turn_rewards: [B, T] float32, r_t(x, a_<=t) (`Bandit.turn_rewards`; 0 where it has none).
   """
 
   contexts: chex.Array
   states: chex.Array
   actions: chex.Array
   rewards: chex.Array
+  turn_rewards: chex.Array
 
 
 def sample_rollouts(
@@ -261,9 +270,14 @@ def sample_rollouts(
     actions.append(action)
     prefix = prefix * k + action
   rewards = bandit.rewards[contexts, prefix]
+  if bandit.turn_rewards is None:
+    turn_rewards = jnp.zeros((contexts.shape[0], t_), jnp.float32)
+  else:
+    turn_rewards = bandit.turn_rewards[contexts, prefix].astype(jnp.float32)
   return Rollouts(
     contexts.astype(jnp.int32),
     jnp.stack(states, 1).astype(jnp.int32),
     jnp.stack(actions, 1).astype(jnp.int32),
     rewards,
+    turn_rewards,
   )

@@ -470,4 +470,4 @@ def staleness_table(base: ml_collections.ConfigDict, workdir: str, policy: str =
   return "\n".join(lines)
 
 
-_FAMILY_ORDER = {"random": 0, "trap": 1, "decoy": 2}
+_FAMILY_ORDER = {"random": 0, "trap": 1, "decoy": 2, "additive": 3}

@@ -17,7 +17,15 @@ instances), and draws contexts uniformly. Families:
   r = 1 if a = k, otherwise r = 0.6 * (number of turns with a_t = d_t) / T.
   The decoy gives a dense signal towards a local optimum worth 0.6; the key
   gives nothing until the whole sequence is hit (probability K^-T under the
-  uniform policy). J* = 1.
+  uniform policy). J* = 1. Turn rewards: r_t = 0.6 / T if a_t = d_t, else 0
+  (a check of each step that rewards the decoy: they sum to r on every
+  trajectory but the key's).
+* `additive` (rewards earned turn by turn): every decision state and action
+  pays u(x, a_<t, a_t) ~ U[0, 1] i.i.d., r = (1/T) sum_t u(x, a_<t, a_t), and
+  the turn rewards are its terms, r_t = u(x, a_<t, a_t) / T: MT-GRPO's premise,
+  a turn reward that is exactly the turn's share of the outcome. J* by
+  backward induction (greedy per turn is not optimal: a turn's action also
+  picks the next turn's payoffs).
 * `sparse` (reward sparsity; option `density` rho): in each context, m =
   max(1, round(rho K^T)) trajectories drawn without replacement pay 1, all
   others 0. Under the uniform policy a rollout is rewarded with probability
@@ -86,10 +94,34 @@ def decoy_instance(key, num_contexts, num_actions, num_turns):
   shift = jax.random.randint(key_shift, keys.shape, 1, num_actions)
   decoys = (keys + shift) % num_actions  # d_t != k_t at every turn
   hit = jnp.all(seqs[None] == keys[:, None], -1)
-  decoy_share = jnp.mean(seqs[None] == decoys[:, None], -1)
-  rewards = jnp.where(hit, 1.0, 0.6 * decoy_share)
+  decoy_hits = seqs[None] == decoys[:, None]  # [X, K^T, T]
+  rewards = jnp.where(hit, 1.0, 0.6 * jnp.mean(decoy_hits, -1))
+  turn_rewards = (0.6 / num_turns) * decoy_hits.astype(jnp.float32)
   return bandit_lib.Bandit(
-    rewards.astype(jnp.float32), _uniform_contexts(num_contexts), num_turns, num_actions
+    rewards.astype(jnp.float32),
+    _uniform_contexts(num_contexts),
+    num_turns,
+    num_actions,
+    turn_rewards=turn_rewards,
+  )
+
+
+def additive_instance(key, num_contexts, num_actions, num_turns):
+  """r = (1/T) sum_t u(x, a_<t, a_t), u ~ U[0, 1] per (state, action); turn rewards u / T."""
+  leaves = num_actions**num_turns
+  leaf = jnp.arange(leaves)
+  turn_rewards = []
+  for t, turn_key in enumerate(jax.random.split(key, num_turns)):
+    # u of every (x, a_1..a_t) (row-major prefix index), read at each leaf's prefix of length t + 1.
+    payoffs = jax.random.uniform(turn_key, (num_contexts, num_actions ** (t + 1)), jnp.float32)
+    turn_rewards.append(payoffs[:, leaf // num_actions ** (num_turns - 1 - t)] / num_turns)
+  turn_rewards = jnp.stack(turn_rewards, -1)  # [X, K^T, T]
+  return bandit_lib.Bandit(
+    turn_rewards.sum(-1),
+    _uniform_contexts(num_contexts),
+    num_turns,
+    num_actions,
+    turn_rewards=turn_rewards,
   )
 
 
@@ -129,6 +161,7 @@ FAMILIES: dict[str, InstanceFn] = {
   "random": random_instance,
   "trap": trap_instance,
   "decoy": decoy_instance,
+  "additive": additive_instance,
   "sparse": sparse_instance,
   "scaled": scaled_instance,
 }

@@ -208,6 +208,14 @@ def test_rollout_batch_is_a_learner_batch(policy_name):
   values = np.asarray(algorithms.make_value_fn(enum)(critic, batch))
   np.testing.assert_array_equal(values[:, 1:], r.states)
   np.testing.assert_array_equal(values[:, 0], 0.0)
+  # GiGPO's anchor states are the decision states; MT-GRPO's turn rewards the family's.
+  np.testing.assert_array_equal(batch.turn_states, r.states)
+  np.testing.assert_array_equal(batch.turn_rewards, 0.0)  # `random` reports none
+  additive = instances.additive_instance(jax.random.PRNGKey(1), x_, k, t_)
+  r = bandit_lib.sample_rollouts(jax.random.PRNGKey(2), additive, enum, log_pi, n)
+  batch = algorithms.rollout_batch(r, log_pi)
+  np.testing.assert_array_equal(batch.turn_rewards, r.turn_rewards)
+  np.testing.assert_allclose(np.asarray(batch.turn_rewards).sum(1), r.rewards, rtol=1e-6)
 
 
 def test_learner_configs():
@@ -232,6 +240,8 @@ def test_learner_configs():
   norms = {n: c.advantage_normalisation for n, c in got.items()}
   assert norms["seeupo"] == "batch" and norms["seeupo_groupstd"] == "group"
   assert norms["grpo"] == norms["gspo"] == "group" and norms["seeupo_nonorm"] == "none"
+  assert norms["gigpo"] == norms["mt_grpo"] == "group"
+  assert norms["gigpo_nonorm"] == norms["mt_grpo_nonorm"] == "none"
   assert got["seeupo"].advantage_clip == 3.0
   assert got["ppo"].advantage_clip is None and got["ppo"].value_clip is None
 
@@ -286,6 +296,44 @@ def test_one_simultaneous_iteration_matches_numpy(algorithm, gamma):
     for t in range(t_):
       s, a = states[i, t], actions[i, t]
       grad[s] -= adv[i] * gamma ** (t_ - 1 - t) * (np.eye(k)[a] - 1.0 / k) / (b * t_)
+  want = bandit_lib.expected_return(bandit, enum, jnp.asarray(_log_softmax(-lr * grad)))
+  np.testing.assert_allclose(out.returns[1], want, rtol=1e-5)
+  assert not np.isclose(float(out.returns[1]), float(out.returns[0]))
+
+
+@pytest.mark.parametrize("algorithm", ["gigpo", "mt_grpo"])
+def test_one_turn_level_iteration_matches_numpy(algorithm):
+  """GiGPO and MT-GRPO on `additive` (turn rewards = the outcome's terms), 1 epoch x 1
+  mini-batch (ratio 1): the gradient is -(1/B) sum_i (1/T) sum_t A_it d log pi(a_it|s_it) with
+  A the float64 references of tests/losses_reference.py (GiGPO's anchor states = the decision
+  states; MT-GRPO's turn rewards = the family's)."""
+  import losses_reference as lref  # noqa: PLC0415  (tests/losses_reference.py)
+
+  x_, k, t_ = 3, 2, 3
+  config = _config(num_turns=t_, num_iterations=1, epochs_per_turn=1, minibatches_per_turn=1)
+  enum = bandit_lib.enumerate_bandit(x_, k, t_)
+  policy = policies.tabular_policy(enum)
+  train = algorithms.make_train_fn(config, enum, policy, algorithms.get_algorithm(algorithm))
+  bandit = instances.additive_instance(jax.random.PRNGKey(6), x_, k, t_)
+  key, lr = jax.random.PRNGKey(7), 3.0
+  out = train(key, bandit, jnp.float32(lr))
+  uniform = np.full((enum.num_states, k), -np.log(k))
+  r = _iteration_rollouts(key, bandit, enum, uniform, config.group_size)
+  states, actions = np.asarray(r.states), np.asarray(r.actions)
+  groups, rewards = np.asarray(r.contexts), np.asarray(r.rewards, np.float64)
+  b = len(rewards)
+  every = np.ones((b, t_), bool), np.ones(b, bool)
+  if algorithm == "gigpo":
+    adv = lref.gigpo(rewards, groups, states, *every, 1.0, 1.0, True)
+  else:
+    turn_rewards = np.asarray(r.turn_rewards, np.float64)
+    np.testing.assert_allclose(turn_rewards.sum(1), rewards, rtol=1e-6)
+    adv = lref.mt_grpo(rewards, turn_rewards, groups, *every, 1.0, True)
+  grad = np.zeros((enum.num_states, k))
+  for i in range(b):
+    for t in range(t_):
+      s, a = states[i, t], actions[i, t]
+      grad[s] -= adv[i, t] * (np.eye(k)[a] - 1.0 / k) / (b * t_)
   want = bandit_lib.expected_return(bandit, enum, jnp.asarray(_log_softmax(-lr * grad)))
   np.testing.assert_allclose(out.returns[1], want, rtol=1e-5)
   assert not np.isclose(float(out.returns[1]), float(out.returns[0]))

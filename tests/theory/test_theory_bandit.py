@@ -85,6 +85,13 @@ def test_rollout_states_and_rewards_are_consistent():
     np.testing.assert_array_equal(r.states[i], enum.traj_states[leaf])
     assert float(r.rewards[i]) == float(bandit.rewards.reshape(-1)[leaf])
     assert x == i // 5
+  np.testing.assert_array_equal(r.turn_rewards, 0.0)  # `random` reports no turn rewards
+  additive = instances.additive_instance(jax.random.PRNGKey(1), x_, k, t_)
+  r = bandit_lib.sample_rollouts(jax.random.PRNGKey(3), additive, enum, log_pi, 5)
+  for i in range(x_ * 5):
+    leaf = int(np.ravel_multi_index(np.asarray(r.actions[i]), (k,) * t_))
+    want = additive.turn_rewards[int(r.contexts[i]), leaf]
+    np.testing.assert_array_equal(r.turn_rewards[i], want)
 
 
 def _brute_force_optimum(rewards, context_probs, k, t_):
@@ -150,6 +157,39 @@ def test_trap_and_decoy_rewards_by_hand():
   key_first = int(np.argmax(r.max(1)))
   assert r[key_first].mean() == pytest.approx(1.0 / k ** (t_ - 1))
   assert all(r[a].mean() > 0.5 for a in range(k) if a != key_first)
+
+
+def test_turn_rewards_by_hand():
+  """decoy: r_t = 0.6 / T where a_t is the decoy's action (their sum is r off the key);
+  additive: r = sum_t r_t, and r_t depends on a_<=t only (one payoff per state and action, so
+  the K^(t+1) prefixes hold K^(t+1) distinct values)."""
+  k, t_ = 3, 3
+  seqs = list(itertools.product(range(k), repeat=t_))
+  decoy = instances.decoy_instance(jax.random.PRNGKey(0), 4, k, t_)
+  for x in range(4):
+    r, per_turn = np.asarray(decoy.rewards[x]), np.asarray(decoy.turn_rewards[x])
+    key = seqs[int(np.argmax(r))]
+    decoy_seq = seqs[int(np.argmax(np.where(r < 1.0, r, -1)))]
+    for leaf, seq in enumerate(seqs):
+      want = [0.6 / t_ if a == d else 0.0 for a, d in zip(seq, decoy_seq)]
+      np.testing.assert_allclose(per_turn[leaf], want, rtol=1e-6)
+      if seq != key:
+        np.testing.assert_allclose(per_turn[leaf].sum(), r[leaf], rtol=1e-6)
+  additive = instances.additive_instance(jax.random.PRNGKey(1), 2, k, t_)
+  assert additive.turn_rewards.shape == (2, k**t_, t_)
+  np.testing.assert_allclose(additive.turn_rewards.sum(-1), additive.rewards, rtol=1e-6)
+  for x in range(2):
+    per_turn = np.asarray(additive.turn_rewards[x])
+    assert np.all((per_turn >= 0) & (per_turn <= 1.0 / t_))
+    for t in range(t_):
+      by_prefix = {}
+      for leaf, seq in enumerate(seqs):
+        by_prefix.setdefault(seq[: t + 1], set()).add(float(per_turn[leaf, t]))
+      assert all(len(values) == 1 for values in by_prefix.values())
+      assert len({v for values in by_prefix.values() for v in values}) == k ** (t + 1)
+  # The families without turn rewards report none.
+  for name in ("random", "trap", "sparse", "scaled"):
+    assert instances.get_family(name)(jax.random.PRNGKey(0), 2, k, t_).turn_rewards is None
 
 
 def test_bad_family_name_lists_allowed():
