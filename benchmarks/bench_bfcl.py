@@ -13,11 +13,14 @@ For every selected entry, the oracle's replies (the ground-truth calls as
   (c) process: route (a) through the env workers in a worker process
       (`ProcessWorkers`, one worker: the training default for BFCL), so (c) - (a)
       is the price of isolation (a pickled request and answer per call, over a
-      socket pair).
+      socket pair);
+  (d) signals: route (a) with `turn_signals=True` (a backend digest after every
+      reply, the ground truth's replay and the per-turn check at the end of every
+      user turn: what GiGPO and MT-GRPO need).
 
-Routes alternate entry by entry (A B C A B C, `--repeats` rounds), one thread,
-so (a) / (b) is the price of our parsing, checking and bookkeeping and (c) / (a)
-that of the worker process. Reported: median and p99 milliseconds per episode
+Routes alternate entry by entry (A B C D A B C D, `--repeats` rounds), one thread,
+so (a) / (b) is the price of our parsing, checking and bookkeeping, (c) / (a)
+that of the worker process and (d) / (a) that of the turn signals. Reported: median and p99 milliseconds per episode
 of each route and their ratios, per split, and the share of entries the oracle
 finishes within `--max-turns`.
 
@@ -46,9 +49,11 @@ from seeupo_jax.rollout import workers as workers_lib
 from seeupo_jax.training import oracle
 
 
-def play_ours(data: bfcl.BfclData, entry_id: str, replies: list[str]) -> tuple[float, bool]:
+def play_ours(
+  data: bfcl.BfclData, entry_id: str, replies: list[str], config=bfcl.BfclConfig()
+) -> tuple[float, bool]:
   t0 = time.perf_counter()
-  env = bfcl.BfclEnv(data, bfcl.BfclConfig())
+  env = bfcl.BfclEnv(data, config)
   env.reset(entry_id)
   for reply in replies:
     if env.step(reply).done:
@@ -134,22 +139,25 @@ def main(argv=None) -> dict:
     for split in args.splits.split(","):
       ids = [f"{split}_{k}" for k in range(args.entries)]
       replies = {i: bfcl.oracle_replies(data, i) for i in ids}
+      signals_config = bfcl.BfclConfig(turn_signals=True)
       for i in ids[:5]:  # warm-up: first calls of each backend class
         play_ours(data, i, replies[i])
         play_bare(data, i)
         play_process(workers, i, replies[i])
-      ours, bare, process, solved = [], [], [], []
+        play_ours(data, i, replies[i], signals_config)
+      ours, bare, process, signals, solved = [], [], [], [], []
       for _ in range(args.repeats):
         for i in ids:
           for times, (seconds, ok) in (
             (ours, play_ours(data, i, replies[i])),
             (bare, play_bare(data, i)),
             (process, play_process(workers, i, replies[i])),
+            (signals, play_ours(data, i, replies[i], signals_config)),
           ):
             times.append(seconds)
             solved.append(ok)
       ours_ms, bare_ms = np.asarray(ours) * 1e3, np.asarray(bare) * 1e3
-      process_ms = np.asarray(process) * 1e3
+      process_ms, signals_ms = np.asarray(process) * 1e3, np.asarray(signals) * 1e3
       rows.append(
         {
           "split": split,
@@ -162,6 +170,8 @@ def main(argv=None) -> dict:
           "process_ms_p99": float(np.percentile(process_ms, 99)),
           "ratio_median": float(np.median(ours_ms) / np.median(bare_ms)),
           "process_over_ours": float(np.median(process_ms) / np.median(ours_ms)),
+          "signals_ms_median": float(np.median(signals_ms)),
+          "signals_over_ours": float(np.median(signals_ms) / np.median(ours_ms)),
           "oracle_success": float(np.mean(solved)),
           "oracle_turns_median": float(np.median([len(r) for r in replies.values()])),
           "within_max_turns": float(np.mean([len(r) <= args.max_turns for r in replies.values()])),
@@ -171,15 +181,16 @@ def main(argv=None) -> dict:
     workers.shutdown()
   print(
     "| split | entries | ours median ms | ours p99 | bare median ms | bare p99 | ours/bare "
-    "| process median ms | process p99 | process/ours |"
+    "| process median ms | process p99 | process/ours | signals median ms | signals/ours |"
   )
-  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   for r in rows:
     print(
       f"| {r['split']} | {r['entries']} | {r['ours_ms_median']:.2f} | {r['ours_ms_p99']:.2f} | "
       f"{r['bare_ms_median']:.2f} | {r['bare_ms_p99']:.2f} | {r['ratio_median']:.2f}x | "
       f"{r['process_ms_median']:.2f} | {r['process_ms_p99']:.2f} | "
-      f"{r['process_over_ours']:.2f}x |"
+      f"{r['process_over_ours']:.2f}x | {r['signals_ms_median']:.2f} | "
+      f"{r['signals_over_ours']:.2f}x |"
     )
   result = {
     "machine": platform.processor() or platform.machine(),

@@ -35,6 +35,19 @@ each answered by as many assistant replies as the agent needs.
     `MAXIMUM_STEP_LIMIT` (20) times ends the episode ("force quit"), which the
     checker fails, as BFCL does.
 
+Turn signals (`turn_signals=True`, for GiGPO and MT-GRPO): each reply also reports the
+state it leaves (`Step.state`; `Reset.state` before the first) and, on the reply that ends a
+user turn, a turn reward (`Step.reward`). The state is the user turn reached and a digest of
+the backends' public attributes (the attributes the official `state_checker` compares), so two
+conversations that leave the same backends at the same user turn are at the same state. The
+turn reward is the official per-turn check the checker makes: the turn's ground-truth calls
+replayed on backends of their own (f"{model_name}_ground_truth", kept across the turns as the
+checker keeps them), then `state_checker` (the backends' states equal) and `response_checker`
+(the ground truth's results appear among the episode's results so far): 1 if both pass, else 0;
+a turn whose ground truth has no calls (the model should call nothing) pays 1 if the turn ran
+no call. Every other reply's reward is 0. They cost a digest per reply and a replay per user
+turn, so they are off by default.
+
 The reward is the official checker's verdict on the episode's calls, once at
 the end: `success_reward` (1.5) when valid, `failure_reward` (0) when not, and
 `garbled_reward` (-1) for a failed episode in which some reply had a tool-call
@@ -76,6 +89,7 @@ import copy
 import dataclasses
 import decimal
 import functools
+import hashlib
 import importlib
 import inspect
 import json
@@ -116,6 +130,8 @@ class BfclConfig:
   max_steps_per_user_turn: the official MAXIMUM_STEP_LIMIT unless set (> 0).
   data_dir: a directory with BFCL's data files (BFCL_v4_multi_turn_*.json, possible_answer/,
     multi_turn_func_doc/); empty: the installed bfcl-eval package's.
+  turn_signals: report each reply's state and each user turn's check (see the module
+    docstring; GiGPO and MT-GRPO need them).
   """
 
   train_tasks: str = fields.field(_TASK_RANGES, "multi_turn_base:0-99")
@@ -128,6 +144,7 @@ class BfclConfig:
     fields.described(fields.int_at_least(0), "0: the official limit"), 0
   )
   data_dir: str = fields.field(fields.STRING, "")
+  turn_signals: bool = fields.field(fields.BOOL, False)
 
   def __post_init__(self):
     fields.check(self, "bfcl")
@@ -371,8 +388,10 @@ class BfclEnv:
     self.force_quit = False
     self.finished = False
     self._score: Optional[base.Score] = None
+    self.results: list[str] = []  # every call's result so far (the per-turn response check)
+    self.truth_numeric = NumericContext()  # the ground truth's replay (`_turn_check`)
     tools = self.data.tools(entry, self.config.describe_functions)
-    return base.Reset(messages=self._user_messages(0), tools=tools)
+    return base.Reset(messages=self._user_messages(0), tools=tools, state=self._state())
 
   def _user_messages(self, turn: int) -> list[base.Message]:
     entry = self.entry
@@ -388,13 +407,15 @@ class BfclEnv:
     reply = bfcl_calls.read_reply(assistant_text, self.allowed)  # never raises
     info: dict[str, Any] = {"user_turn": self.user_turn}
     if not reply.has_tool_call:  # the user turn is over
+      reward = self._turn_check(self.user_turn)
       self.user_turn += 1
       self.steps_in_turn = 0
       if self.user_turn == len(self.entry.questions):
         self.finished = True
-        return base.Step([], True, info)
+        return base.Step([], True, info, state=self._state(), reward=reward)
       self.turn_calls.append([])
-      return base.Step(self._user_messages(self.user_turn), False, info)
+      observation = self._user_messages(self.user_turn)
+      return base.Step(observation, False, info, state=self._state(), reward=reward)
 
     if reply.sources is None:
       self.invalid_replies += 1
@@ -412,25 +433,67 @@ class BfclEnv:
       info["calls"] = reply.sources
       observation = [{"role": "tool", "content": r} for r in results]
     self.steps_in_turn += 1
+    reward = 0.0 if self.config.turn_signals else None
     if self.steps_in_turn > self.step_limit:
       self.force_quit = self.finished = True
       info["force_quit"] = True
-      return base.Step([], True, info)
-    return base.Step(observation, False, info)
+      return base.Step([], True, info, state=self._state(), reward=reward)
+    return base.Step(observation, False, info, state=self._state(), reward=reward)
 
-  def _execute(self, sources: list[str]) -> list[str]:
+  def _run_calls(self, sources: list[str], model_name: str, numeric: NumericContext):
+    """The official executor on `model_name`'s backends (made on first use): (results, the
+    backend instances by class)."""
     entry = self.entry
-    with _backend_call(self.numeric):
-      results, _ = self.data.utils.execute_multi_turn_func_call(
+    with _backend_call(numeric):
+      return self.data.utils.execute_multi_turn_func_call(
         func_call_list=sources,
         initial_config=entry.initial_config,
         involved_classes=entry.involved_classes,
-        model_name=self.model_name,
+        model_name=model_name,
         test_entry_id=entry.entry_id,
         long_context="long_context" in entry.category,
         is_evaL_run=False,
       )
-    return [str(r) for r in results]
+
+  def _execute(self, sources: list[str]) -> list[str]:
+    results, _ = self._run_calls(sources, self.model_name, self.numeric)
+    results = [str(r) for r in results]
+    self.results.extend(results)
+    return results
+
+  def _state(self) -> Optional[str]:
+    """The state key after the replies so far (None without `turn_signals`): the user turn
+    reached and a BLAKE2b digest of the backends' public attributes."""
+    if not self.config.turn_signals:
+      return None
+    _, instances = self._run_calls([], self.model_name, self.numeric)
+    with _BACKEND_LOCK:
+      return f"{self.user_turn}:{backend_digest(instances)}"
+
+  def _turn_check(self, turn: int) -> Optional[float]:
+    """The official check of user turn `turn` as it ends (None without `turn_signals`): 1.0 if
+    the backends' states equal the ground truth's after its calls and its results appear among
+    the episode's results (`state_checker`, `response_checker`), else 0.0; a turn with no
+    ground-truth calls: 1.0 if it ran none."""
+    if not self.config.turn_signals:
+      return None
+    truth, ran_calls = self.entry.ground_truth[turn], any(self.turn_calls[turn])
+    if not truth:
+      return float(not ran_calls)
+    # The ground truth's backends replay every turn's calls, as the checker's do.
+    expected, truth_instances = self._run_calls(
+      truth, f"{self.model_name}_ground_truth", self.truth_numeric
+    )
+    if not ran_calls:  # the checker's "empty turn model response"
+      return 0.0
+    _, instances = self._run_calls([], self.model_name, self.numeric)
+    checker = self.data.checker
+    with _BACKEND_LOCK:
+      state = checker.state_checker(instances, truth_instances)
+      if not state["valid"]:
+        return 0.0
+      response = checker.response_checker(self.results, expected, turn)
+    return 1.0 if response["valid"] else 0.0
 
   def score(self) -> base.Score:
     if self.entry is None:
@@ -486,6 +549,35 @@ class BfclEnv:
 
   def close(self) -> None:
     self._drop_instances()
+
+
+def _public_state(value: Any, seen: frozenset = frozenset()) -> Any:
+  """A JSON-able copy of a backend value: objects as their class and public attributes (the
+  attributes the official `state_checker` compares), containers element by element, anything
+  else as its `repr` (a cycle as "<cycle>")."""
+  if value is None or isinstance(value, (bool, int, float, str)):
+    return value
+  if id(value) in seen:
+    return "<cycle>"
+  seen = seen | {id(value)}
+  if isinstance(value, dict):
+    return sorted(([repr(k), _public_state(v, seen)] for k, v in value.items()), key=str)
+  if isinstance(value, (list, tuple)):
+    return [_public_state(v, seen) for v in value]
+  if isinstance(value, (set, frozenset)):
+    return sorted((_public_state(v, seen) for v in value), key=str)
+  if hasattr(value, "__dict__"):
+    attributes = {k: v for k, v in vars(value).items() if not k.startswith("_")}
+    return [type(value).__name__, _public_state(attributes, seen)]
+  return repr(value)
+
+
+def backend_digest(instances: dict) -> str:
+  """A BLAKE2b digest (16 hex digits) of the backend instances' public state, by class name:
+  equal digests for backends whose public attributes are equal."""
+  state = {name: _public_state(instance) for name, instance in sorted(instances.items())}
+  text = json.dumps(state, sort_keys=True, default=repr)
+  return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 def drop_instances(utils, model_name: str) -> None:
@@ -547,4 +639,6 @@ def spec(config: BfclConfig) -> base.EnvSpec:
     max_turns=most_turns * (data.step_limit + 2),
     oracle=functools.partial(oracle_replies, data),
     isolation="process",  # a model's arguments can hang a backend call (power, square_root)
+    turn_states=config.turn_signals,
+    turn_rewards=config.turn_signals,
   )

@@ -324,6 +324,7 @@ def test_bench_bfcl_times_our_environment_against_the_bare_official_path():
     assert r["entries"] == 8 and r["oracle_success"] == 1.0  # all three routes solve every entry
     assert r["ratio_median"] == pytest.approx(r["ours_ms_median"] / r["bare_ms_median"])
     assert r["process_over_ours"] == pytest.approx(r["process_ms_median"] / r["ours_ms_median"])
+    assert r["signals_over_ours"] == pytest.approx(r["signals_ms_median"] / r["ours_ms_median"])
     assert 0 < r["ours_ms_median"] <= r["ours_ms_p99"]
     assert 0 < r["process_ms_median"] <= r["process_ms_p99"]
   t = result["throughput"]

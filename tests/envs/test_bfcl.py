@@ -854,6 +854,81 @@ def test_user_turns_miss_func_step_limit_and_rewards(data):
   assert not _leftover_instances()
 
 
+_SIGNALS = bfcl.BfclConfig(turn_signals=True)
+
+
+def test_turn_signals_of_the_oracle_pass_every_user_turn_and_change_nothing_else(data):
+  """With `turn_signals`, the oracle's reply that ends a user turn earns the turn check's 1 and
+  its other replies 0, on 25 sampled entries of each split; the final score is unchanged, and
+  without them no reply reports a state or a reward."""
+  rng = random.Random(1)
+  for split in bfcl.SPLITS:
+    for entry_id in rng.sample([e for e in sorted(data.entries) if e.startswith(split)], 25):
+      entry = data.entry(entry_id)
+      replies = bfcl.oracle_replies(data, entry_id)
+      score, steps = _play(data, entry_id, replies, _SIGNALS)
+      assert score.success, (entry_id, score.details)
+      ends = [not bfcl_calls.parse_tool_calls(r).calls for r in replies]
+      assert [s.reward for s in steps] == [1.0 if end else 0.0 for end in ends], entry_id
+      assert sum(ends) == len(entry.questions)
+      assert all(isinstance(s.state, str) for s in steps), entry_id
+      user_turns = [int(s.state.split(":")[0]) for s in steps]
+      assert user_turns == [sum(ends[: i + 1]) for i in range(len(steps))]
+      plain_score, plain = _play(data, entry_id, replies)
+      assert plain_score.reward == score.reward
+      assert all(s.state is None and s.reward is None for s in plain), entry_id
+  assert not _leftover_instances()
+
+
+def test_turn_signals_fail_the_turn_that_goes_wrong_and_key_the_backend_state(data):
+  """Entry 0 must create "temp" in its first turn: creating "tmp" fails that turn's check
+  (the backends' states differ), and the next turn's, whose calls then act on the wrong tree.
+  A read-only call leaves the state key where it was; a call that writes changes it; two
+  episodes that reach the same backends at the same user turn have the same key."""
+  replies = bfcl.oracle_replies(data, "multi_turn_base_0")
+  wrong = [replies[0].replace('"temp"', '"tmp"', 1)] + replies[1:]
+  _, steps = _play(data, "multi_turn_base_0", wrong, _SIGNALS)
+  rewards = [s.reward for s in steps if s.reward]
+  _, right = _play(data, "multi_turn_base_0", replies, _SIGNALS)
+  assert steps[1].reward == 0.0 and right[1].reward == 1.0  # the first turn's check
+  assert len(rewards) < sum(s.reward for s in right)
+
+  env = bfcl.BfclEnv(data, _SIGNALS)
+  start = env.reset("multi_turn_base_0").state
+  pwd = env.step('<tool_call>{"name": "pwd", "arguments": {}}</tool_call>')
+  assert pwd.state == start and pwd.reward == 0.0 and start.startswith("0:")
+  mkdir = env.step('<tool_call>{"name": "mkdir", "arguments": {"dir_name": "x"}}</tool_call>')
+  assert mkdir.state != start and mkdir.state.startswith("0:")
+  env.close()
+  other = bfcl.BfclEnv(data, _SIGNALS)
+  assert other.reset("multi_turn_base_0").state == start
+  ls = other.step('<tool_call>{"name": "ls", "arguments": {}}</tool_call>')
+  assert ls.state == start
+  again = other.step('<tool_call>{"name": "mkdir", "arguments": {"dir_name": "x"}}</tool_call>')
+  assert again.state == mkdir.state
+  other.close()
+  assert not _leftover_instances()
+
+
+def test_backend_digest_reads_public_attributes_only_and_survives_cycles():
+  class Node:
+    def __init__(self, name, hidden):
+      self.name, self.children, self._hidden = name, [], hidden
+
+  def tree(hidden):
+    root = Node("root", hidden)
+    child = Node("a", hidden)
+    child.parent = root  # a cycle
+    root.children.append(child)
+    return root
+
+  assert bfcl.backend_digest({"Fs": tree(1)}) == bfcl.backend_digest({"Fs": tree(2)})
+  changed = tree(1)
+  changed.children[0].name = "b"
+  assert bfcl.backend_digest({"Fs": changed}) != bfcl.backend_digest({"Fs": tree(1)})
+  assert bfcl.backend_digest({"Fs": tree(1)}) != bfcl.backend_digest({"Other": tree(1)})
+
+
 def test_config_names_bad_values(data):
   with pytest.raises(ValueError, match="unknown split 'multi_turn_web'; allowed"):
     bfcl.BfclConfig(train_tasks="multi_turn_web:0-9")
@@ -927,10 +1002,13 @@ TINY = (
 @pytest.mark.slow
 def test_a_short_seeupo_run_on_bfcl_entries_then_eval_only(tmp_path):
   """An iteration of SeeUPO (tiny model, 2 entries x 2 samples, 3 turns), then --eval_only on the
-  workdir's checkpoint. It need not learn; every reward must be one the checker gives."""
+  workdir's checkpoint. It need not learn; every reward must be one the checker gives. The turn
+  signals are on: each turn's state and turn reward cross the worker processes into the
+  trajectories."""
   # The second run's sampler is the first's program: it reads it from the session's compilation
   # cache (tests/conftest.py).
-  proc = _run(f"--workdir={tmp_path}", "--config.num_iterations=1", *TINY)
+  signals = "--config.env.turn_signals=True"
+  proc = _run(f"--workdir={tmp_path}", "--config.num_iterations=1", signals, *TINY)
   assert proc.returncode == 0, proc.stderr[-3000:]
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r["iteration"] for r in records] == [1]
@@ -942,10 +1020,17 @@ def test_a_short_seeupo_run_on_bfcl_entries_then_eval_only(tmp_path):
       "multi_turn_base_37",
     )
     assert t["score_details"]["error_type"] is not None or t["success"]
+    turns = len(t["replies"])
+    # A state before each reply; a turn reward for each reply the environment stepped on (all
+    # but a last one cut by the context).
+    assert len(t["turn_states"]) == turns and len(t["turn_rewards"]) in (turns, turns - 1)
+    assert t["turn_states"][0].startswith("0:")  # before the first reply: user turn 0
+    assert all(re.fullmatch(r"\d+:[0-9a-f]{16}", state) for state in t["turn_states"])
+    assert set(t["turn_rewards"]) <= {0.0, 1.0}
   assert not _leftover_instances()
 
   proc = _run(
-    f"--workdir={tmp_path}", "--config.num_iterations=1", "--config.eval_only=True", *TINY
+    f"--workdir={tmp_path}", "--config.num_iterations=1", "--config.eval_only=True", signals, *TINY
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "evaluating" in proc.stderr + proc.stdout and "at iteration 1" in proc.stderr + proc.stdout
