@@ -268,12 +268,9 @@ def _numpy_advantages(rewards, groups, normalisation):
   return adv
 
 
-@pytest.mark.parametrize("gamma", [1.0, 0.5])
-@pytest.mark.parametrize("algorithm", ["grpo", "gspo", "reinforce", "rloo"])
-def test_one_simultaneous_iteration_matches_numpy(algorithm, gamma):
-  """1 epoch x 1 mini-batch: the ratio is 1 at the single step, so every critic-free
-  simultaneous loss has the gradient -(1/B) sum_i (1/T) sum_t A_i gamma^(T-1-t) d log pi(a_it|s_it)
-  (seq-mean-token-mean over the T actions of each row)."""
+def _first_iteration(algorithm, instance, gamma=1.0):
+  """One iteration (1 epoch x 1 mini-batch, lr 3) of `algorithm` on a 3-context, 2-action,
+  3-turn instance of `instance`: (its output, the bandit, its tables, the rollouts it drew)."""
   x_, k, t_ = 3, 2, 3
   config = _config(
     num_turns=t_, num_iterations=1, epochs_per_turn=1, minibatches_per_turn=1, gamma=gamma
@@ -281,24 +278,43 @@ def test_one_simultaneous_iteration_matches_numpy(algorithm, gamma):
   enum = bandit_lib.enumerate_bandit(x_, k, t_)
   policy = policies.tabular_policy(enum)
   train = algorithms.make_train_fn(config, enum, policy, algorithms.get_algorithm(algorithm))
-  bandit = instances.random_instance(jax.random.PRNGKey(6), x_, k, t_)
-  key, lr = jax.random.PRNGKey(7), 3.0
-  out = train(key, bandit, jnp.float32(lr))
+  bandit = instance(jax.random.PRNGKey(6), x_, k, t_)
+  key = jax.random.PRNGKey(7)
+  out = train(key, bandit, jnp.float32(_LR))
   uniform = np.full((enum.num_states, k), -np.log(k))
-  r = _iteration_rollouts(key, bandit, enum, uniform, config.group_size)
-  states, actions = np.asarray(r.states), np.asarray(r.actions)
-  groups = np.asarray(r.contexts)
-  norm = {"grpo": "group", "gspo": "group", "reinforce": "none", "rloo": "rloo"}[algorithm]
-  adv = _numpy_advantages(r.rewards, groups, norm)
-  b = len(adv)
+  return out, bandit, enum, _iteration_rollouts(key, bandit, enum, uniform, config.group_size)
+
+
+_LR = 3.0
+
+
+def _check_one_step(out, bandit, enum, rollouts, advantages):
+  """The policy-gradient step from the uniform policy with per-turn advantages [B, T]:
+  theta = -lr * grad, grad = -(1/B) sum_i (1/T) sum_t A_it d log pi(a_it | s_it), whose exact J
+  must be the run's J after its iteration."""
+  states, actions = np.asarray(rollouts.states), np.asarray(rollouts.actions)
+  (b, t_), k = states.shape, enum.num_actions
   grad = np.zeros((enum.num_states, k))
   for i in range(b):
     for t in range(t_):
       s, a = states[i, t], actions[i, t]
-      grad[s] -= adv[i] * gamma ** (t_ - 1 - t) * (np.eye(k)[a] - 1.0 / k) / (b * t_)
-  want = bandit_lib.expected_return(bandit, enum, jnp.asarray(_log_softmax(-lr * grad)))
+      grad[s] -= advantages[i, t] * (np.eye(k)[a] - 1.0 / k) / (b * t_)
+  want = bandit_lib.expected_return(bandit, enum, jnp.asarray(_log_softmax(-_LR * grad)))
   np.testing.assert_allclose(out.returns[1], want, rtol=1e-5)
   assert not np.isclose(float(out.returns[1]), float(out.returns[0]))
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.5])
+@pytest.mark.parametrize("algorithm", ["grpo", "gspo", "reinforce", "rloo"])
+def test_one_simultaneous_iteration_matches_numpy(algorithm, gamma):
+  """1 epoch x 1 mini-batch: the ratio is 1 at the single step, so every critic-free
+  simultaneous loss has the gradient -(1/B) sum_i (1/T) sum_t A_i gamma^(T-1-t) d log pi(a_it|s_it)
+  (seq-mean-token-mean over the T actions of each row)."""
+  out, bandit, enum, r = _first_iteration(algorithm, instances.random_instance, gamma)
+  norm = {"grpo": "group", "gspo": "group", "reinforce": "none", "rloo": "rloo"}[algorithm]
+  adv = _numpy_advantages(r.rewards, np.asarray(r.contexts), norm)
+  t_ = enum.num_turns
+  _check_one_step(out, bandit, enum, r, adv[:, None] * gamma ** (t_ - 1 - np.arange(t_)))
 
 
 @pytest.mark.parametrize("algorithm", ["gigpo", "mt_grpo"])
@@ -309,34 +325,16 @@ def test_one_turn_level_iteration_matches_numpy(algorithm):
   states; MT-GRPO's turn rewards = the family's)."""
   import losses_reference as lref  # noqa: PLC0415  (tests/losses_reference.py)
 
-  x_, k, t_ = 3, 2, 3
-  config = _config(num_turns=t_, num_iterations=1, epochs_per_turn=1, minibatches_per_turn=1)
-  enum = bandit_lib.enumerate_bandit(x_, k, t_)
-  policy = policies.tabular_policy(enum)
-  train = algorithms.make_train_fn(config, enum, policy, algorithms.get_algorithm(algorithm))
-  bandit = instances.additive_instance(jax.random.PRNGKey(6), x_, k, t_)
-  key, lr = jax.random.PRNGKey(7), 3.0
-  out = train(key, bandit, jnp.float32(lr))
-  uniform = np.full((enum.num_states, k), -np.log(k))
-  r = _iteration_rollouts(key, bandit, enum, uniform, config.group_size)
-  states, actions = np.asarray(r.states), np.asarray(r.actions)
+  out, bandit, enum, r = _first_iteration(algorithm, instances.additive_instance)
   groups, rewards = np.asarray(r.contexts), np.asarray(r.rewards, np.float64)
-  b = len(rewards)
-  every = np.ones((b, t_), bool), np.ones(b, bool)
+  every = np.ones(r.states.shape, bool), np.ones(len(rewards), bool)
   if algorithm == "gigpo":
-    adv = lref.gigpo(rewards, groups, states, *every, 1.0, 1.0, True)
+    adv = lref.gigpo(rewards, groups, np.asarray(r.states), *every, 1.0, 1.0, True)
   else:
     turn_rewards = np.asarray(r.turn_rewards, np.float64)
     np.testing.assert_allclose(turn_rewards.sum(1), rewards, rtol=1e-6)
     adv = lref.mt_grpo(rewards, turn_rewards, groups, *every, 1.0, True)
-  grad = np.zeros((enum.num_states, k))
-  for i in range(b):
-    for t in range(t_):
-      s, a = states[i, t], actions[i, t]
-      grad[s] -= adv[i, t] * (np.eye(k)[a] - 1.0 / k) / (b * t_)
-  want = bandit_lib.expected_return(bandit, enum, jnp.asarray(_log_softmax(-lr * grad)))
-  np.testing.assert_allclose(out.returns[1], want, rtol=1e-5)
-  assert not np.isclose(float(out.returns[1]), float(out.returns[0]))
+  _check_one_step(out, bandit, enum, r, adv)
 
 
 def _numpy_ppo_step(theta, critic, rollouts, lr, critic_lr, gamma, lam):
