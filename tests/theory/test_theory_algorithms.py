@@ -62,7 +62,7 @@ def short_curves():
   }, bandits
 
 
-@pytest.mark.slow  # the fixture compiles all 11 algorithms (~60 s)
+@pytest.mark.slow  # the fixture compiles every algorithm of the registry (15)
 def test_every_algorithm_runs_and_improves(short_curves):
   curves, bandits = short_curves
   j_star = np.asarray(jax.vmap(bandit_lib.optimal_return)(bandits))
