@@ -8,6 +8,8 @@ import numpy as np
 import optax
 import pytest
 
+import shared_runs  # tests/shared_runs.py
+
 from experiments.configs import bandit as bandit_config
 from seeupo_jax import learner
 from seeupo_jax.theory import algorithms
@@ -51,15 +53,25 @@ _SHORT = dict(num_turns=3, num_iterations=15, num_seeds=3)
 
 
 @pytest.fixture(scope="module")
-def short_curves():
-  """[3 runs, 16] J/J* of every algorithm, 15 iterations, lr 10."""
+def short_curves(tmp_path_factory):
+  """[3 runs, 16] J/J* of every algorithm, 15 iterations, lr 10, and the 3 instances. The curves
+  are made once per test session, whichever xdist worker asks first (`shared_runs.once`: a module
+  fixture would compile every algorithm again on each worker that runs one of its tests)."""
   config = _config(**_SHORT)
   bandits = sweep.make_instances(config, "random")
-  _, keys = sweep._seed_keys(config)  # pylint: disable=protected-access
-  return {
-    name: np.asarray(sweep.make_setting_fn(config, name)(bandits, keys, jnp.array([10.0])))[0]
-    for name in sorted(algorithms.ALGORITHMS)
-  }, bandits
+
+  def make(directory):
+    del directory
+    _, keys = sweep._seed_keys(config)  # pylint: disable=protected-access
+    return {
+      name: np.asarray(sweep.make_setting_fn(config, name)(bandits, keys, jnp.array([10.0])))[
+        0
+      ].tolist()
+      for name in sorted(algorithms.ALGORITHMS)
+    }
+
+  curves = shared_runs.once(tmp_path_factory, "theory_short_curves", make)
+  return {name: np.asarray(c, np.float32) for name, c in curves.items()}, bandits
 
 
 @pytest.mark.slow  # the fixture compiles every algorithm of the registry (15)
