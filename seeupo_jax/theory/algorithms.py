@@ -7,12 +7,14 @@ a bandit rollout batch written as a learner `Batch`:
     L = T + 1 positions per row (one row per rollout, B = X n rows)
     tokens[:, 0]     = x, the context (a "prompt" token, turn_ids -1)
     tokens[:, 1 + t] = a_t, the action at turn t (turn_ids t)
-    token_valid, row_valid all True; group_ids = x (one group per context);
-    rewards = r(x, a_1..a_T); sample_logp = the behaviour log-probs;
-    turn_states = the decision state s_t of each turn (GiGPO's anchor states: rows of a
-    context that share a prefix of actions share the state); turn_rewards = the family's
-    r_t(x, a_<=t) (MT-GRPO's; `decoy` and `additive` report them, the other families none,
-    where MT-GRPO's advantage is GRPO's).
+    token_valid = the turns the rollout has (all True but after a stop: `stop`), and the
+    context column; turn_ids -1 after a stop; row_valid all True; group_ids = x (one group
+    per context); rewards = r(x, a_1..a_T); sample_logp = the behaviour log-probs;
+    turn_states = the family's environment state key of each turn (GiGPO's anchor states:
+    `walk`'s positions, which different histories share), else the decision state s_t (rows
+    of a context that share a prefix of actions share it); turn_rewards = the family's
+    r_t(x, a_<=t) (MT-GRPO's; `decoy`, `additive` and `stop` report them, the other families
+    none, where MT-GRPO's advantage is GRPO's).
 
 The policy's `logprob_fn(theta, batch)` recovers each turn's decision state
 from the tokens (`decision_states`: the state numbering of `bandit.py`) and
@@ -163,7 +165,8 @@ def rollout_batch(rollouts: bandit_lib.Rollouts, behaviour_log_pi: chex.Array) -
   """The learner `Batch` of a rollout batch (see the module doc).
 
   Args:
-    rollouts: B rollouts (contexts [B], states/actions [B, T], rewards [B]).
+    rollouts: B rollouts (contexts [B]; states, actions, turn_states, turn_valid [B, T];
+      rewards [B]).
     behaviour_log_pi: [S, K] float32, the policy that sampled them.
 
   Returns:
@@ -171,18 +174,20 @@ def rollout_batch(rollouts: bandit_lib.Rollouts, behaviour_log_pi: chex.Array) -
   """
   b, t_ = rollouts.actions.shape
   tokens = jnp.concatenate([rollouts.contexts[:, None], rollouts.actions], 1).astype(jnp.int32)
+  token_valid = jnp.concatenate([jnp.ones((b, 1), bool), rollouts.turn_valid], 1)
   turn_ids = jnp.broadcast_to(jnp.arange(-1, t_, dtype=jnp.int32), (b, t_ + 1))
+  turn_ids = jnp.where(token_valid, turn_ids, -1)
   sample_logp = behaviour_log_pi[rollouts.states, rollouts.actions]
   return learner.Batch(
     tokens=tokens,
-    token_valid=jnp.ones((b, t_ + 1), bool),
+    token_valid=token_valid,
     turn_ids=turn_ids,
     sample_logp=jnp.concatenate([jnp.zeros((b, 1), jnp.float32), sample_logp], 1),
     rewards=rollouts.rewards.astype(jnp.float32),
     group_ids=rollouts.contexts.astype(jnp.int32),
     row_valid=jnp.ones((b,), bool),
     turn_rewards=rollouts.turn_rewards.astype(jnp.float32),
-    turn_states=rollouts.states.astype(jnp.int32),
+    turn_states=rollouts.turn_states.astype(jnp.int32),
   )
 
 

@@ -19,6 +19,18 @@ major order of `rewards[x].reshape(K, ..., K)`.
 Turn rewards. A family may also report a reward for each turn, r_t(x, a_<=t) (what an
 environment that checks each step would tell MT-GRPO, `losses.mt_grpo_advantages`), beside the
 outcome r. They are information for the learner only: J and J* are those of r.
+
+Environment states. The decision state (x, t, a_<t) is the whole history: no two histories
+share one. A family may also report an environment state key per turn, s_t(x, a_<t), that
+different histories can share (a position reached by different paths): what GiGPO groups its
+anchor states by (`losses.gigpo_advantages`). Where a family reports none, the key is the
+decision state. The policy still sees the history: the key is information for the learner only.
+
+Stopping. A family may let the policy end an episode early: `turn_valid` marks the turns a
+trajectory has (a prefix of the T turns). The reward of a trajectory that stopped at turn t
+does not depend on the actions after t, so every completion of its prefix carries the same r
+and the sums over K^T trajectories above stay exact (the actions after the stop are sampled
+and ignored: their probabilities sum to 1).
 """
 
 from typing import NamedTuple, Optional
@@ -41,6 +53,10 @@ class Bandit:
     num_actions: K (static).
     turn_rewards: [X, K^T, T] float32 or None, r_t(x, a_<=t) of each trajectory's turn t
       (it depends on the actions up to t only); None: the family reports none (all 0).
+    turn_states: [X, K^T, T] int32 or None, the environment state key s_t(x, a_<t) >= 0 before
+      each turn (see the module doc); None: the decision states.
+    turn_valid: [X, K^T, T] bool or None, True on the turns the trajectory has (a prefix:
+      False after the policy stopped); None: all T turns.
   """
 
   rewards: chex.Array
@@ -48,6 +64,8 @@ class Bandit:
   num_turns: int = flax.struct.field(pytree_node=False)
   num_actions: int = flax.struct.field(pytree_node=False)
   turn_rewards: Optional[chex.Array] = None
+  turn_states: Optional[chex.Array] = None
+  turn_valid: Optional[chex.Array] = None
 
   @property
   def num_contexts(self) -> int:
@@ -233,6 +251,10 @@ class Rollouts(NamedTuple):
     actions: [B, T] int32, a_t.
     rewards: [B] float32, r(x, a_1..a_T).
     turn_rewards: [B, T] float32, r_t(x, a_<=t) (`Bandit.turn_rewards`; 0 where it has none).
+    turn_states: [B, T] int32, the environment state key of each turn (`Bandit.turn_states`;
+      the decision states where it has none).
+    turn_valid: [B, T] bool, the turns the rollout has (`Bandit.turn_valid`; all True where
+      it has none).
   """
 
   contexts: chex.Array
@@ -240,6 +262,8 @@ class Rollouts(NamedTuple):
   actions: chex.Array
   rewards: chex.Array
   turn_rewards: chex.Array
+  turn_states: chex.Array
+  turn_valid: chex.Array
 
 
 def sample_rollouts(
@@ -274,10 +298,21 @@ def sample_rollouts(
     turn_rewards = jnp.zeros((contexts.shape[0], t_), jnp.float32)
   else:
     turn_rewards = bandit.turn_rewards[contexts, prefix].astype(jnp.float32)
+  states = jnp.stack(states, 1).astype(jnp.int32)
+  if bandit.turn_states is None:
+    turn_states = states
+  else:
+    turn_states = bandit.turn_states[contexts, prefix].astype(jnp.int32)
+  if bandit.turn_valid is None:
+    turn_valid = jnp.ones((contexts.shape[0], t_), bool)
+  else:
+    turn_valid = bandit.turn_valid[contexts, prefix].astype(bool)
   return Rollouts(
     contexts.astype(jnp.int32),
-    jnp.stack(states, 1).astype(jnp.int32),
+    states,
     jnp.stack(actions, 1).astype(jnp.int32),
     rewards,
     turn_rewards,
+    turn_states,
+    turn_valid,
   )

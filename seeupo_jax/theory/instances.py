@@ -26,6 +26,19 @@ instances), and draws contexts uniformly. Families:
   a turn reward that is exactly the turn's share of the outcome. J* by
   backward induction (greedy per turn is not optimal: a turn's action also
   picks the next turn's payoffs).
+* `walk` (recurring states: GiGPO's premise): the actions move a position, p_0 = 0,
+  p_(t+1) = p_t + a_t, and r = g(x, p_T), g ~ U[0, 1] i.i.d. over the (K - 1) T + 1 end
+  positions. The environment state before turn t is (x, t, p_t), reported as the key
+  `(x T + t) M + p_t`, M = (K - 1)(T - 1) + 1 (`Bandit.turn_states`): the K^t histories of
+  turn t reach only (K - 1) t + 1 positions, so rollouts of a group meet at the same state
+  by different paths. J* = sum_x p(x) max_p g(x, p) (every end position is reachable).
+* `stop` (early stopping chosen by the policy: MT-GRPO's bias): action 0 ends the episode
+  and pays q_x ~ U[0.3, 0.5]; an episode that never stops pays 1 after turn T. The turn
+  rewards are those payments, at the turn that earns them (q_x at the stop, 1 at turn T
+  without one); `Bandit.turn_valid` ends each trajectory at its stop. Under the uniform
+  policy an episode survives with probability ((K - 1)/K)^T, and a turn reward compared
+  within the rows that reached the turn favours stopping now over a pay-off that only the
+  survivors see. J* = 1.
 * `sparse` (reward sparsity; option `density` rho): in each context, m =
   max(1, round(rho K^T)) trajectories drawn without replacement pay 1, all
   others 0. Under the uniform policy a rollout is rewarded with probability
@@ -125,6 +138,49 @@ def additive_instance(key, num_contexts, num_actions, num_turns):
   )
 
 
+def walk_instance(key, num_contexts, num_actions, num_turns):
+  """r = g(x, p_T), p_T = sum_t a_t, g ~ U[0, 1]; turn states (x T + t) M + p_t."""
+  seqs = _all_sequences(num_actions, num_turns)  # [K^T, T]
+  positions = jnp.cumsum(seqs, -1) - seqs  # [K^T, T], p_t before turn t
+  ends = seqs.sum(-1)  # [K^T], p_T
+  payoffs = jax.random.uniform(key, (num_contexts, (num_actions - 1) * num_turns + 1))
+  rewards = payoffs[:, ends]  # [X, K^T]
+  width = (num_actions - 1) * (num_turns - 1) + 1  # M: positions before any turn
+  contexts = jnp.arange(num_contexts)[:, None, None]
+  turns = jnp.arange(num_turns)[None, None, :]
+  turn_states = (contexts * num_turns + turns) * width + positions[None]
+  return bandit_lib.Bandit(
+    rewards.astype(jnp.float32),
+    _uniform_contexts(num_contexts),
+    num_turns,
+    num_actions,
+    turn_states=turn_states.astype(jnp.int32),
+  )
+
+
+def stop_instance(key, num_contexts, num_actions, num_turns):
+  """Action 0 stops and pays q_x ~ U[0.3, 0.5]; never stopping pays 1; turn rewards = payments."""
+  seqs = _all_sequences(num_actions, num_turns)  # [K^T, T]
+  stops = seqs == 0
+  stopped_before = jnp.cumsum(stops, -1) - stops  # stops at turns < t
+  turn_valid = stopped_before == 0  # [K^T, T]: the turns up to and with the stop
+  first_stop = stops & turn_valid  # one-hot at the stop turn, if any
+  never = ~jnp.any(stops, -1)  # [K^T]
+  quit_pay = jax.random.uniform(key, (num_contexts, 1, 1), minval=0.3, maxval=0.5)
+  last = jnp.arange(num_turns) == num_turns - 1
+  turn_rewards = jnp.where(first_stop[None], quit_pay, 0.0) + jnp.where(
+    (never[:, None] & last[None, :])[None], 1.0, 0.0
+  )  # [X, K^T, T]
+  return bandit_lib.Bandit(
+    turn_rewards.sum(-1).astype(jnp.float32),
+    _uniform_contexts(num_contexts),
+    num_turns,
+    num_actions,
+    turn_rewards=turn_rewards.astype(jnp.float32),
+    turn_valid=jnp.broadcast_to(turn_valid[None], turn_rewards.shape),
+  )
+
+
 def sparse_instance(key, num_contexts, num_actions, num_turns, density=0.05):
   """m = max(1, round(density K^T)) random trajectories per context pay 1, the rest 0."""
   leaves = num_actions**num_turns
@@ -162,6 +218,8 @@ FAMILIES: dict[str, InstanceFn] = {
   "trap": trap_instance,
   "decoy": decoy_instance,
   "additive": additive_instance,
+  "walk": walk_instance,
+  "stop": stop_instance,
   "sparse": sparse_instance,
   "scaled": scaled_instance,
 }

@@ -12,6 +12,7 @@ import shared_runs  # tests/shared_runs.py
 
 from experiments.configs import bandit as bandit_config
 from seeupo_jax import learner
+from seeupo_jax.learner import batch as batch_lib
 from seeupo_jax.theory import algorithms
 from seeupo_jax.theory import bandit as bandit_lib
 from seeupo_jax.theory import instances
@@ -228,6 +229,32 @@ def test_rollout_batch_is_a_learner_batch(policy_name):
   batch = algorithms.rollout_batch(r, log_pi)
   np.testing.assert_array_equal(batch.turn_rewards, r.turn_rewards)
   np.testing.assert_allclose(np.asarray(batch.turn_rewards).sum(1), r.rewards, rtol=1e-6)
+  # `walk`: the anchor states are the positions' keys, which different histories share.
+  walk = instances.walk_instance(jax.random.PRNGKey(1), x_, k, t_)
+  r = bandit_lib.sample_rollouts(jax.random.PRNGKey(2), walk, enum, log_pi, n)
+  batch = algorithms.rollout_batch(r, log_pi)
+  learner.validate(jax.tree.map(np.asarray, batch), t_)
+  actions = np.asarray(r.actions)
+  positions = np.cumsum(actions, 1) - actions
+  width = (k - 1) * (t_ - 1) + 1
+  want = (np.asarray(r.contexts)[:, None] * t_ + np.arange(t_)) * width + positions
+  np.testing.assert_array_equal(batch.turn_states, want)
+  assert np.all(batch.token_valid)
+  # `stop`: a row's turns end at its first 0; the tokens after it are neither valid nor a turn.
+  stop = instances.stop_instance(jax.random.PRNGKey(1), x_, k, t_)
+  r = bandit_lib.sample_rollouts(jax.random.PRNGKey(2), stop, enum, log_pi, n)
+  batch = algorithms.rollout_batch(r, log_pi)
+  learner.validate(jax.tree.map(np.asarray, batch), t_)
+  stopped = 0
+  for i, acts in enumerate(np.asarray(r.actions)):
+    last = list(acts).index(0) if 0 in acts else t_ - 1
+    stopped += last < t_ - 1
+    np.testing.assert_array_equal(batch.token_valid[i], np.arange(t_ + 1) <= last + 1)
+    np.testing.assert_array_equal(
+      batch.turn_ids[i], np.where(np.arange(t_ + 1) <= last + 1, np.arange(-1, t_), -1)
+    )
+  np.testing.assert_array_equal(batch_lib.row_turns(batch, t_), r.turn_valid)
+  assert stopped > 0
 
 
 def test_learner_configs():
@@ -302,15 +329,18 @@ _LR = 3.0
 
 def _check_one_step(out, bandit, enum, rollouts, advantages):
   """The policy-gradient step from the uniform policy with per-turn advantages [B, T]:
-  theta = -lr * grad, grad = -(1/B) sum_i (1/T) sum_t A_it d log pi(a_it | s_it), whose exact J
-  must be the run's J after its iteration."""
+  theta = -lr * grad, grad = -(1/B) sum_i (1/T_i) sum_{t < T_i} A_it d log pi(a_it | s_it)
+  (T_i: row i's turns, `rollouts.turn_valid`), whose exact J must be the run's J after its
+  iteration."""
   states, actions = np.asarray(rollouts.states), np.asarray(rollouts.actions)
+  turn_valid = np.asarray(rollouts.turn_valid)
   (b, t_), k = states.shape, enum.num_actions
   grad = np.zeros((enum.num_states, k))
   for i in range(b):
-    for t in range(t_):
+    turns = int(turn_valid[i].sum())
+    for t in range(turns):
       s, a = states[i, t], actions[i, t]
-      grad[s] -= advantages[i, t] * (np.eye(k)[a] - 1.0 / k) / (b * t_)
+      grad[s] -= advantages[i, t] * (np.eye(k)[a] - 1.0 / k) / (b * turns)
   want = bandit_lib.expected_return(bandit, enum, jnp.asarray(_log_softmax(-_LR * grad)))
   np.testing.assert_allclose(out.returns[1], want, rtol=1e-5)
   assert not np.isclose(float(out.returns[1]), float(out.returns[0]))
@@ -346,6 +376,34 @@ def test_one_turn_level_iteration_matches_numpy(algorithm):
     turn_rewards = np.asarray(r.turn_rewards, np.float64)
     np.testing.assert_allclose(turn_rewards.sum(1), rewards, rtol=1e-6)
     adv = lref.mt_grpo(rewards, turn_rewards, groups, *every, 1.0, True)
+  _check_one_step(out, bandit, enum, r, adv)
+
+
+@pytest.mark.parametrize(
+  "algorithm,family", [("gigpo", "walk"), ("gigpo", "stop"), ("mt_grpo", "stop")]
+)
+def test_turn_level_iteration_with_shared_states_and_stops_matches_numpy(algorithm, family):
+  """The same check on `walk` (GiGPO's anchor states = the positions, shared by different
+  histories) and `stop` (rows end at their first 0: a row's turns, T_i, are a prefix; each
+  turn's group holds only the rows that reached it): A from the float64 references with the
+  family's keys and turn_valid, the gradient averaged over each row's own T_i turns."""
+  import losses_reference as lref  # noqa: PLC0415  (tests/losses_reference.py)
+
+  out, bandit, enum, r = _first_iteration(algorithm, instances.get_family(family))
+  groups, rewards = np.asarray(r.contexts), np.asarray(r.rewards, np.float64)
+  turn_valid, every = np.asarray(r.turn_valid), np.ones(len(rewards), bool)
+  if family == "walk":  # some anchor state holds rows of different histories
+    keys, states = np.asarray(r.turn_states), np.asarray(r.states)
+    assert any(len({*states[keys == key]}) > 1 for key in np.unique(keys))
+  else:
+    assert not turn_valid.all() and turn_valid[:, 0].all()
+  if algorithm == "gigpo":
+    keys = np.asarray(r.turn_states)
+    adv = lref.gigpo(rewards, groups, keys, turn_valid, every, 1.0, 1.0, True)
+  else:
+    adv = lref.mt_grpo(
+      rewards, np.asarray(r.turn_rewards, np.float64), groups, turn_valid, every, 1.0, True
+    )
   _check_one_step(out, bandit, enum, r, adv)
 
 

@@ -92,6 +92,28 @@ def test_rollout_states_and_rewards_are_consistent():
     leaf = int(np.ravel_multi_index(np.asarray(r.actions[i]), (k,) * t_))
     want = additive.turn_rewards[int(r.contexts[i]), leaf]
     np.testing.assert_array_equal(r.turn_rewards[i], want)
+  # Without environment states or stops: the decision states, every turn.
+  np.testing.assert_array_equal(r.turn_states, r.states)
+  assert bool(np.all(r.turn_valid))
+  for family in ("walk", "stop"):
+    inst = instances.get_family(family)(jax.random.PRNGKey(1), x_, k, t_)
+    r = bandit_lib.sample_rollouts(jax.random.PRNGKey(3), inst, enum, log_pi, 5)
+    for i in range(x_ * 5):
+      x, acts = int(r.contexts[i]), np.asarray(r.actions[i])
+      leaf = int(np.ravel_multi_index(acts, (k,) * t_))
+      np.testing.assert_array_equal(r.states[i], enum.traj_states[x * k**t_ + leaf])
+      assert float(r.rewards[i]) == float(inst.rewards[x, leaf])
+      if family == "walk":  # the position before each turn, in the family's key
+        positions = np.cumsum(acts) - acts
+        width = (k - 1) * (t_ - 1) + 1
+        np.testing.assert_array_equal(
+          r.turn_states[i], (x * t_ + np.arange(t_)) * width + positions
+        )
+        assert bool(np.all(r.turn_valid[i]))
+      else:  # the turns up to and with the first 0
+        stop = list(acts).index(0) if 0 in acts else t_ - 1
+        np.testing.assert_array_equal(r.turn_valid[i], np.arange(t_) <= stop)
+        np.testing.assert_array_equal(r.turn_states[i], r.states[i])
 
 
 def _brute_force_optimum(rewards, context_probs, k, t_):
@@ -188,8 +210,51 @@ def test_turn_rewards_by_hand():
       assert all(len(values) == 1 for values in by_prefix.values())
       assert len({v for values in by_prefix.values() for v in values}) == k ** (t + 1)
   # The families without turn rewards report none.
-  for name in ("random", "trap", "sparse", "scaled"):
+  for name in ("random", "trap", "walk", "sparse", "scaled"):
     assert instances.get_family(name)(jax.random.PRNGKey(0), 2, k, t_).turn_rewards is None
+  # Only `walk` reports environment states, only `stop` ends episodes early.
+  for name in instances.FAMILIES:
+    inst = instances.get_family(name)(jax.random.PRNGKey(0), 2, k, t_)
+    assert (inst.turn_states is not None) == (name == "walk"), name
+    assert (inst.turn_valid is not None) == (name == "stop"), name
+
+
+def test_walk_and_stop_by_hand():
+  """walk: r depends on the end position sum_t a_t only, and the turn-t key on (x, t, p_t)
+  only, one key per (x, t, p_t); stop: r = q_x on every sequence with a 0 (one q_x in
+  [0.3, 0.5] per context), 1 on the others, paid as a turn reward at the first 0 or at the
+  last turn; the turns after the first 0 are not valid."""
+  k, t_, x_ = 3, 3, 4
+  seqs = list(itertools.product(range(k), repeat=t_))
+  walk = instances.walk_instance(jax.random.PRNGKey(5), x_, k, t_)
+  keys = np.asarray(walk.turn_states)
+  seen = {}
+  for x in range(x_):
+    by_end = {}
+    for leaf, seq in enumerate(seqs):
+      by_end.setdefault(sum(seq), set()).add(float(walk.rewards[x, leaf]))
+      for t in range(t_):
+        seen.setdefault((x, t, sum(seq[:t])), set()).add(int(keys[x, leaf, t]))
+    assert sorted(by_end) == list(range((k - 1) * t_ + 1))
+    assert all(len(v) == 1 for v in by_end.values())
+    assert len({v for vs in by_end.values() for v in vs}) == len(by_end)  # distinct draws
+  assert all(len(v) == 1 for v in seen.values())
+  assert len({v for vs in seen.values() for v in vs}) == len(seen)  # distinct states, keys
+  # Positions recur: turn 2 of one context has 9 histories and 5 positions.
+  assert len({keys[0, leaf, 2] for leaf in range(len(seqs))}) == 2 * (k - 1) + 1
+  stop = instances.stop_instance(jax.random.PRNGKey(5), x_, k, t_)
+  for x in range(x_):
+    r = np.asarray(stop.rewards[x])
+    quit_pay = r[0]
+    assert 0.3 <= quit_pay <= 0.5
+    for leaf, seq in enumerate(seqs):
+      first = seq.index(0) if 0 in seq else None
+      want_valid = [first is None or t <= first for t in range(t_)]
+      want_turns = [0.0] * t_
+      want_turns[t_ - 1 if first is None else first] = 1.0 if first is None else quit_pay
+      np.testing.assert_array_equal(stop.turn_valid[x, leaf], want_valid)
+      np.testing.assert_allclose(stop.turn_rewards[x, leaf], want_turns, rtol=1e-6)
+      assert r[leaf] == pytest.approx(1.0 if first is None else quit_pay)
 
 
 def test_bad_family_name_lists_allowed():
