@@ -110,6 +110,9 @@ class EnvSpec:
     program draws it as a line on the learning curves.
   turn_states: the family's `Reset.state` and `Step.state` are set (GiGPO can train on it).
   turn_rewards: the family's `Step.reward` is set (MT-GRPO can train on it).
+  turn_signals_option: the family's `env` config key that turns `turn_states` and
+    `turn_rewards` on, where it reports them only when asked (BFCL: "turn_signals"); None
+    otherwise. A turn-level algorithm refused at config time names it.
   """
 
   make: Callable[[], Environment]
@@ -121,6 +124,7 @@ class EnvSpec:
   chance: Optional[float] = None
   turn_states: bool = False
   turn_rewards: bool = False
+  turn_signals_option: Optional[str] = None
 
 
 class EnvironmentUnavailable(RuntimeError):

@@ -641,4 +641,5 @@ def spec(config: BfclConfig) -> base.EnvSpec:
     isolation="process",  # a model's arguments can hang a backend call (power, square_root)
     turn_states=config.turn_signals,
     turn_rewards=config.turn_signals,
+    turn_signals_option="turn_signals",
   )

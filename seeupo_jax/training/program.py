@@ -266,7 +266,7 @@ def build(config: TrainConfig) -> Program:
         env_name, config.env_options(), processes.index, processes.count, processes.local_index
       ),
     )
-  _check_turn_inputs(config.learner, spec, env_name, config.env_options())
+  _check_turn_inputs(config.learner, spec, env_name)
   model_config, tokenizer, load_params = build_model(config)
   with _config_values("chat_template_kwargs"):
     chat = chat_tokens.ChatTokens(tokenizer, dict(config.chat_template_kwargs))
@@ -362,21 +362,15 @@ def build(config: TrainConfig) -> Program:
   )
 
 
-TURN_SIGNALS_OPTION = "turn_signals"
-"""The `env` key of a family that reports states and turn rewards only when asked (BFCL's)."""
-
-
-def _check_turn_inputs(
-  learner_config, spec: envs.EnvSpec, env_name: str, env_options: Optional[dict] = None
-) -> None:
+def _check_turn_inputs(learner_config, spec: envs.EnvSpec, env_name: str) -> None:
   """The turn-level algorithms need what the environment reports per turn: refused at config
   time where the family gives none (GiGPO: a state key per turn; MT-GRPO: a reward per turn),
-  naming the `env` key that turns them on where the family has one."""
+  naming the `env` key that turns them on where the family has one
+  (`EnvSpec.turn_signals_option`)."""
   need = algorithms.TURN_INPUTS.get(learner_config.spec.advantage)
   if need is not None and not getattr(spec, need[0]):
-    fix = (
-      f": set env.{TURN_SIGNALS_OPTION}=True" if TURN_SIGNALS_OPTION in (env_options or {}) else ""
-    )
+    option = spec.turn_signals_option
+    fix = f": set env.{option}=True" if option else ""
     raise ConfigError(
       f"learner.algorithm={learner_config.algorithm!r} needs an environment that reports "
       f"{need[1]} per turn; env.name={env_name!r} does not (EnvSpec.{need[0]} is False){fix}"

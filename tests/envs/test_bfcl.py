@@ -947,6 +947,19 @@ def test_config_names_bad_values(data):
   assert spec.task_ids("eval") == [f"multi_turn_base_{k}" for k in range(100, 200)]
 
 
+def test_a_turn_level_algorithm_without_turn_signals_is_refused_naming_the_key(data):
+  from seeupo_jax import learner  # noqa: PLC0415
+  from seeupo_jax.training import program  # noqa: PLC0415
+
+  spec = bfcl.spec(bfcl.BfclConfig())
+  assert not spec.turn_states and not spec.turn_rewards
+  for algorithm in ("gigpo", "mt_grpo"):
+    config = learner.LearnerConfig(algorithm=algorithm)
+    with pytest.raises(program.ConfigError, match=r"env.name='bfcl'.*set env.turn_signals=True$"):
+      program._check_turn_inputs(config, spec, "bfcl")
+    program._check_turn_inputs(config, bfcl.spec(bfcl.BfclConfig(turn_signals=True)), "bfcl")
+
+
 def _run(*args, timeout=600, **env_vars):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=_ROOT, **env_vars)
   return subprocess.run(

@@ -359,6 +359,9 @@ def test_a_turn_level_algorithm_is_refused_where_the_environment_reports_nothing
       program._check_turn_inputs(config, spec, "bfcl")
     reporting = dataclasses.replace(spec, turn_states=True, turn_rewards=True)
     program._check_turn_inputs(config, reporting, "synthetic")  # accepted
-    # A family that reports them when asked: the message names the key.
+    # A family that reports them when asked: the message names its key.
+    asked = dataclasses.replace(spec, turn_signals_option="turn_signals")
     with pytest.raises(program.ConfigError, match=r"is False\): set env.turn_signals=True"):
-      program._check_turn_inputs(config, spec, "bfcl", {"turn_signals": False})
+      program._check_turn_inputs(config, asked, "bfcl")
+    with pytest.raises(program.ConfigError, match=r"is False\)$"):
+      program._check_turn_inputs(config, spec, "appworld")
