@@ -12,7 +12,11 @@ included), and the speed-up over k = 0 (the ratio of iterations per hour, each r
 their median). With `--rollout_devices r` each lag > 0 also runs on a second program whose
 sampler has the last r devices to itself (`pipeline.rollout_devices`), against the same k = 0
 baseline on all the devices; simulate the devices with
-XLA_FLAGS=--xla_force_host_platform_device_count=N.
+XLA_FLAGS=--xla_force_host_platform_device_count=N. With `--partial_rollouts` each lag > 0 (and
+placement) also runs with `pipeline.partial_rollouts` (the sampler swaps to the update's params
+once they are ready, inside the episodes in progress); every run reports its reply tokens' mean
+lag (`pipeline/token_lag_mean`) and the share sampled with the newer params
+(`pipeline/swapped_token_share`), means over the timed iterations.
 
 Scenarios (environment latency per step, `env.latency_ms` / `env.latency_p99_ms`):
   instant     no latency: the overlap is the sampler's device work and host work with the update's
@@ -24,6 +28,8 @@ Scenarios (environment latency per step, `env.latency_ms` / `env.latency_p99_ms`
     python benchmarks/bench_async.py --scenarios=default --iterations=6 --rounds=2
     python benchmarks/bench_async.py --tasks 4 --samples 2 --iterations 2 --rounds 1 --json out.json
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/bench_async.py --rollout_devices=1
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/bench_async.py \
+        --lags=0,1 --rollout_devices=1 --partial_rollouts
 """
 
 from __future__ import annotations
@@ -50,10 +56,12 @@ SCENARIOS = {  # name: (latency_ms, latency_p99_ms, use the config's own sizes)
 }
 
 
-def make_config(args, scenario: str, lag: int, iterations: int, own: int = 0):
+def make_config(
+  args, scenario: str, lag: int, iterations: int, own: int = 0, partial: bool = False
+):
   """The synthetic config of `scenario`, with `lag`, the sampler on `own` devices of its own (0:
-  the learner's) and the benchmark's sizes; no evaluation but the last, no logs but
-  metrics.jsonl, checkpoints only at the end."""
+  the learner's), partial rollouts or not, and the benchmark's sizes; no evaluation but the
+  last, no logs but metrics.jsonl, checkpoints only at the end."""
   latency, p99, own_sizes = SCENARIOS[scenario]
   c = synthetic_config.get_config()
   if not own_sizes:
@@ -64,6 +72,7 @@ def make_config(args, scenario: str, lag: int, iterations: int, own: int = 0):
   c.env.latency_p99_ms = p99
   c.pipeline.lag = lag
   c.pipeline.rollout_devices = own
+  c.pipeline.partial_rollouts = partial
   c.num_iterations = iterations
   c.eval.every = 0
   c.eval.num_tasks = 4
@@ -76,11 +85,11 @@ def make_config(args, scenario: str, lag: int, iterations: int, own: int = 0):
   return c
 
 
-def run_lag(args, program, scenario: str, lag: int, own: int = 0) -> dict:
+def run_lag(args, program, scenario: str, lag: int, own: int = 0, partial: bool = False) -> dict:
   """One training run of `warmup + iterations` iterations at `lag`; its timed iterations."""
   total = args.warmup + args.iterations
   with tempfile.TemporaryDirectory(prefix="bench_async_") as workdir:
-    trainer._train(make_config(args, scenario, lag, total, own), workdir, program)
+    trainer._train(make_config(args, scenario, lag, total, own, partial), workdir, program)
     records = metrics_log.read_metrics(os.path.join(workdir, "metrics.jsonl"))
   timed = records[args.warmup :]
   seconds = [r["time/iteration"] for r in timed]
@@ -90,20 +99,29 @@ def run_lag(args, program, scenario: str, lag: int, own: int = 0) -> dict:
     "update_s": statistics.median(r["time/update"] for r in timed),
     "iteration_s": statistics.median(seconds),
     "lag_trained": max(int(r.get("pipeline/lag", 0)) for r in timed),  # the schedule's own word
+    "token_lag_mean": statistics.mean(r.get("pipeline/token_lag_mean", 0.0) for r in timed),
+    "swapped_token_share": statistics.mean(
+      r.get("pipeline/swapped_token_share", 0.0) for r in timed
+    ),
   }
 
 
-def variants(args) -> list[tuple[int, int]]:
-  """(lag, devices of the sampler's own) of each run: every lag on the learner's devices, then,
-  with --rollout_devices r, every lag > 0 with the sampler on r devices of its own."""
+def variants(args) -> list[tuple[int, int, bool]]:
+  """(lag, devices of the sampler's own, partial rollouts) of each run: every lag on the
+  learner's devices, then, with --rollout_devices r, every lag > 0 with the sampler on r devices
+  of its own; with --partial_rollouts each lag > 0 of each placement also with them."""
   out = [(lag, 0) for lag in args.lags]
   if args.rollout_devices:
     out += [(lag, args.rollout_devices) for lag in args.lags if lag > 0]
-  return out
+  runs = [(lag, own, False) for lag, own in out]
+  if args.partial_rollouts:
+    runs += [(lag, own, True) for lag, own in out if lag > 0]
+  return runs
 
 
-def label(lag: int, own: int) -> str:
-  return str(lag) if not own else f"{lag}, sampler on {own} of {jax.device_count()} devices"
+def label(lag: int, own: int, partial: bool = False) -> str:
+  out = str(lag) if not own else f"{lag}, sampler on {own} of {jax.device_count()} devices"
+  return out + (", partial rollouts" if partial else "")
 
 
 def run_scenario(args, scenario: str) -> dict:
@@ -111,29 +129,29 @@ def run_scenario(args, scenario: str) -> dict:
   programs = {}
   rounds = []
   try:
-    for own in sorted({own for _, own in runs}):
+    for own in sorted({own for _, own, _ in runs}):
       programs[own] = trainer.build(make_config(args, scenario, 0, 1, own))
     for r in range(args.rounds):
       order = runs if r % 2 == 0 else list(reversed(runs))
-      rounds.append(
-        {(lag, own): run_lag(args, programs[own], scenario, lag, own) for lag, own in order}
-      )
+      rounds.append({run: run_lag(args, programs[run[1]], scenario, *run) for run in order})
   finally:
     for program in programs.values():
       program.close()
   out = {"scenario": scenario, "lags": {}}
   base = runs[0]
-  for lag, own in runs:
-    per_round = [rnd[(lag, own)] for rnd in rounds]
+  for run in runs:
+    per_round = [rnd[run] for rnd in rounds]
     speedups = [
-      rnd[(lag, own)]["iterations_per_hour"] / rnd[base]["iterations_per_hour"] for rnd in rounds
+      rnd[run]["iterations_per_hour"] / rnd[base]["iterations_per_hour"] for rnd in rounds
     ]
-    out["lags"][label(lag, own)] = {
+    out["lags"][label(*run)] = {
       "iterations_per_hour": statistics.median(x["iterations_per_hour"] for x in per_round),
       "rollout_s": statistics.median(x["rollout_s"] for x in per_round),
       "update_s": statistics.median(x["update_s"] for x in per_round),
       "iteration_s": statistics.median(x["iteration_s"] for x in per_round),
       "lag_trained": max(x["lag_trained"] for x in per_round),
+      "token_lag_mean": statistics.mean(x["token_lag_mean"] for x in per_round),
+      "swapped_token_share": statistics.mean(x["swapped_token_share"] for x in per_round),
       "speedup": statistics.median(speedups),
       "speedup_per_round": speedups,
     }
@@ -143,15 +161,17 @@ def run_scenario(args, scenario: str) -> dict:
 def markdown_table(results: list[dict], base: int) -> str:
   lines = [
     f"| scenario | lag | iterations / hour | median rollout s | median update s | "
-    f"median iteration s | speed-up over lag {base} (per round) |",
-    "|---|---:|---:|---:|---:|---:|---|",
+    f"median iteration s | mean token lag | swapped token share | "
+    f"speed-up over lag {base} (per round) |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---|",
   ]
   for result in results:
     for lag, x in result["lags"].items():
       rounds = ", ".join(f"{s:.2f}" for s in x["speedup_per_round"])
       lines.append(
         f"| {result['scenario']} | {lag} | {x['iterations_per_hour']:.0f} | {x['rollout_s']:.3f} | "
-        f"{x['update_s']:.3f} | {x['iteration_s']:.3f} | {x['speedup']:.2f}x ({rounds}) |"
+        f"{x['update_s']:.3f} | {x['iteration_s']:.3f} | {x['token_lag_mean']:.2f} | "
+        f"{x['swapped_token_share']:.2f} | {x['speedup']:.2f}x ({rounds}) |"
       )
   return "\n".join(lines)
 
@@ -167,6 +187,11 @@ def parse_args(argv=None):
     default=0,
     help="also run each lag > 0 with the sampler on this many devices of its own "
     "(pipeline.rollout_devices; simulate devices with XLA_FLAGS)",
+  )
+  parser.add_argument(
+    "--partial_rollouts",
+    action="store_true",
+    help="also run each lag > 0 (and placement) with pipeline.partial_rollouts",
   )
   parser.add_argument("--tasks", type=int, default=8, help="B (not in the default scenario)")
   parser.add_argument("--samples", type=int, default=defaults.rollout.samples_per_task, help="n")

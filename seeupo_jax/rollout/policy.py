@@ -39,6 +39,8 @@ class PolicyReply:
   ids: list[int]
   logprobs: Optional[list[float]]
   cut: bool
+  # The params version that sampled each token (`Policy.swap`); None: the current version.
+  versions: Optional[list[int]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +90,14 @@ class Policy(Protocol):
   def max_reply_tokens(self) -> int:
     """The most tokens of one reply (a `give`'s limit is at most this)."""
 
-  def begin(self, params) -> None:
-    """Starts a rollout call with these params (used by every reply until `begin` again);
-    every row is free."""
+  def begin(self, params, version: int = 0) -> None:
+    """Starts a rollout call with these params, of this version (used by every reply until
+    `swap` or `begin` again); every row is free."""
+
+  def swap(self, params, version: int) -> None:
+    """From now on every token is sampled with these params, of this version, also inside the
+    replies in progress (a partial rollout: the rows' cache keeps what the earlier params
+    wrote; each reply's `versions` say which params sampled which of its tokens)."""
 
   @property
   def free(self) -> int:
@@ -172,17 +179,28 @@ class SamplerPolicy(_OwnsRows):
     self.session = session
     self._rows = _Rows(session.config.rows)
     self._params = None
+    self._version = 0
+    # row -> [(j, v)]: the tokens of its reply from index j on are sampled with version v.
+    self._marks: dict[int, list[tuple[int, int]]] = {}
 
   @property
   def max_reply_tokens(self) -> int:
     return self.session.sampling_config.max_new_tokens
 
-  def begin(self, params) -> None:
-    self._params = params
+  def begin(self, params, version: int = 0) -> None:
+    self._params, self._version = params, version
+    self._marks = {}
     self._rows.reset()
+
+  def swap(self, params, version: int) -> None:
+    sampled = self.session.reply_progress()  # rows with a reply begun: its tokens so far
+    for row, marks in self._marks.items():
+      marks.append((sampled.get(row, 0), version))
+    self._params, self._version = params, version
 
   def give(self, row, trajectory, new_ids, key_data, limit) -> None:
     self.session.give(row, new_ids, key_data, limit)
+    self._marks[row] = [(0, self._version)]
 
   def prefill(self) -> None:
     self.session.prefill(self._params)
@@ -190,12 +208,19 @@ class SamplerPolicy(_OwnsRows):
   def decode(self) -> list[PolicyReply]:
     cut = sampling.FinishReason.LENGTH
     return [
-      PolicyReply(r.row, r.tokens.tolist(), r.logprobs.tolist(), r.finish_reason == cut)
+      PolicyReply(
+        r.row,
+        r.tokens.tolist(),
+        r.logprobs.tolist(),
+        r.finish_reason == cut,
+        _token_versions(self._marks.pop(r.row), len(r.tokens)),
+      )
       for r in self.session.decode(self._params)
     ]
 
   def release(self, row: int) -> None:
     self.session.release(row)
+    self._marks.pop(row, None)
     self._rows.give_back(row)
 
   @property
@@ -204,6 +229,15 @@ class SamplerPolicy(_OwnsRows):
 
   def stats(self) -> PolicyStats:
     return PolicyStats.of(self.session.stats)
+
+
+def _token_versions(marks: list[tuple[int, int]], n: int) -> list[int]:
+  """The version of each of a reply's n tokens: token j's is that of the last mark (i, v)
+  with i <= j (marks in the order they were made, their i non-decreasing)."""
+  out = [marks[0][1]] * n
+  for start, version in marks[1:]:
+    out[start:] = [version] * max(0, n - start)
+  return out
 
 
 class TextPolicy(_OwnsRows):
@@ -231,9 +265,12 @@ class TextPolicy(_OwnsRows):
     self.max_reply_tokens = max_reply_tokens
     self._ready: list[PolicyReply] = []
 
-  def begin(self, params) -> None:
-    del params
+  def begin(self, params, version: int = 0) -> None:
+    del params, version
     self._rows.reset()
+
+  def swap(self, params, version: int) -> None:
+    del params, version  # replies come from the text function; ready ones keep no version
 
   def give(self, row, trajectory, new_ids, key_data, limit) -> None:
     ids = self.chat.encode(self.reply_text(trajectory)) + [self.chat.end_of_turn_id]

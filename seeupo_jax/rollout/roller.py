@@ -398,6 +398,8 @@ class Roller:
     rng: jax.Array,
     *,
     on_env_wait: Optional[Callable[[], None]] = None,
+    version: int = 0,
+    refresh: Optional[Callable[[], Optional[tuple]]] = None,
   ) -> RolloutResult:
     """Plays len(task_ids) x samples_per_task episodes; returns them with timing metrics.
 
@@ -414,10 +416,18 @@ class Roller:
         happens): the training loop dispatches an update there, whose device time then
         overlaps the environments' time (`pipeline.lag`). What it does must not change the
         sampler's device state: the trajectories are the same with or without it.
+      version: the version of `params` (the updates they have seen): each reply token's
+        `Trajectory.versions` entry.
+      refresh: partial rollouts (`pipeline.partial_rollouts`): called between the policy's
+        rounds (no device work of the sampler in flight); where it returns (params, version),
+        every later token is sampled with those params, also inside the episodes and replies
+        in progress (`Policy.swap`), and tagged with that version. None: no swap.
     """
     t_start = time.perf_counter()
     self._timers = _Timers()
     self._on_env_wait = on_env_wait
+    self._version = version
+    self._refresh = refresh
     self._decoded = False  # a decode round has run (the first env wait before it is resets')
     self._rng = rng
     stats_before = dataclasses.replace(self.workers.stats)
@@ -446,7 +456,7 @@ class Roller:
     rows = self.policy.slots
     most_live = rows if capacity is None else min(capacity, rows)
     self._schedule(
-      params,
+      params,  # of `version`
       collections.deque(_Episode(t, 0, k) for t, k in zip(trajectories, keys)),
       most_live,
     )
@@ -468,9 +478,14 @@ class Roller:
     self._most_live = most_live
     self._live: dict[int, _Episode] = {}  # the policy's row -> its episode
     barrier = self.config.scheduler == "turns"
-    self.policy.begin(params)
+    self.policy.begin(params, self._version)
     while self._pending or self._live:
       t_host, waited_before = time.perf_counter(), self._timers.env_wait
+      if self._refresh is not None:
+        newer = self._refresh()
+        if newer is not None:  # a partial rollout: later tokens from the newer params
+          params, self._version = newer
+          self.policy.swap(params, self._version)
       at_barrier = barrier and self._in_flight == 0 and not self.policy.busy
       if not barrier or at_barrier:
         self._admit()
@@ -595,7 +610,8 @@ class Roller:
     episode = self._live[reply.row]
     trajectory = episode.trajectory
     turn = trajectory.num_turns
-    trajectory.append(reply.ids, turn, reply.logprobs)
+    versions = reply.versions or [self._version] * len(reply.ids)
+    trajectory.append(reply.ids, turn, reply.logprobs, versions)
     trajectory.num_turns = turn + 1
     trajectory.truncated_replies += int(reply.cut)
     text = self.chat.tokenizer.decode(reply.ids, skip_special_tokens=True)

@@ -30,6 +30,10 @@ class Trajectory:
   group: index of the task in the call (the GRAE group); sample: index within the group.
   turn_states: the environment's state key before each turn (`Reset.state`, then each
     `Step.state`; None where it gave none); turn_rewards: each turn's `Step.reward` (None: none).
+  versions: parallel to tokens: the version of the params that sampled each reply token (the
+    updates they had seen; `Roller.run(version=)`, and with partial rollouts the versions it
+    swapped to mid-episode), -1 on prompt/template/observation tokens. Empty in records written
+    before it existed.
   """
 
   task_id: str
@@ -53,14 +57,38 @@ class Trajectory:
   retried_errors: list[str] = dataclasses.field(default_factory=list)  # earlier failed attempts
   turn_states: list[Optional[str]] = dataclasses.field(default_factory=list)
   turn_rewards: list[Optional[float]] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
 
-  def append(self, ids: Sequence[int], turn: int, logprobs: Optional[Sequence[float]] = None):
+  def append(
+    self,
+    ids: Sequence[int],
+    turn: int,
+    logprobs: Optional[Sequence[float]] = None,
+    versions: Optional[Sequence[int]] = None,
+  ):
+    """Appends `ids` of `turn` (-1: prompt/env) with their log-probs (None: 0) and the params
+    versions that sampled them (None: -1)."""
     self.tokens.extend(int(i) for i in ids)
     self.turn_ids.extend([turn] * len(ids))
     if logprobs is None:
       self.logprobs.extend([0.0] * len(ids))
     else:
       self.logprobs.extend(float(x) for x in logprobs)
+    if versions is None:
+      self.versions.extend([-1] * len(ids))
+    else:
+      if len(versions) != len(ids):
+        raise ValueError(f"{len(versions)} versions for {len(ids)} tokens")
+      self.versions.extend(int(v) for v in versions)
+
+  def turn_versions(self) -> list[list[int]]:
+    """Per turn, the distinct params versions that sampled its reply tokens, ascending (two
+    where a partial rollout swapped the params inside or before that turn's reply)."""
+    out: list[set] = [set() for _ in range(self.num_turns)]
+    for turn, version in zip(self.turn_ids, self.versions):
+      if turn >= 0 and turn < len(out):
+        out[turn].add(version)
+    return [sorted(v) for v in out]
 
   def metadata(self) -> dict:
     """JSON-able summary for logs."""
@@ -82,6 +110,7 @@ class Trajectory:
       "retried_errors": self.retried_errors,
       "turn_states": self.turn_states,
       "turn_rewards": self.turn_rewards,
+      "turn_versions": self.turn_versions(),
     }
 
 

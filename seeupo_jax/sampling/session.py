@@ -125,6 +125,7 @@ class SamplerSession:
     self._reply_args: list[Optional[tuple]] = [None] * s  # (key data, limit) once input is written
     self._fresh = np.ones((s,), bool)  # the row's next write starts a new context
     self._awaiting = np.zeros((s,), bool)  # the row owes a reply (begun on device)
+    self._reply_steps = np.zeros((s,), np.int64)  # tokens of its reply so far (host mirror)
 
   # --- rows ---------------------------------------------------------------------------------
 
@@ -157,6 +158,11 @@ class SamplerSession:
     self._reply_args[row] = None
     self._fresh[row] = True
     self._awaiting[row] = False
+
+  def reply_progress(self) -> dict[int, int]:
+    """{row: the tokens of its reply sampled so far} for the rows whose reply has begun and not
+    ended (as of the last `decode`; no device read)."""
+    return {int(r): int(self._reply_steps[r]) for r in np.flatnonzero(self._awaiting)}
 
   @property
   def busy(self) -> bool:
@@ -267,6 +273,7 @@ class SamplerSession:
           keys[i], limits[i] = self._reply_args[r]
           self._reply_args[r] = None
           self._awaiting[r] = True
+          self._reply_steps[r] = 0
       self._staged.append(PrefillCall(row_ids, fresh, ids, valid, begin, keys, limits))
       self.stats.prefill_calls += 1
     self._note_peak()
@@ -366,6 +373,7 @@ class SamplerSession:
     self.stats.decode_row_steps += int(np.sum((lengths - self._lengths)[self._awaiting]))
     # Only the rows that were decoding moved (released rows keep a stale device length).
     self._lengths = np.where(self._awaiting, lengths, self._lengths).astype(np.int64)
+    self._reply_steps = np.where(self._awaiting, reply_steps, self._reply_steps).astype(np.int64)
     done = np.flatnonzero(self._awaiting & ~decoding)
     if not len(done):
       return []

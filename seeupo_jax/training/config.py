@@ -247,9 +247,12 @@ class LogSection:
 class PipelineSection:
   """`pipeline`: the rollout/update schedule (`training/pipeline.py`). `lag` k: the batch trained
   at iteration i was sampled with the params of iteration i - 1 - k, and is sampled while the
-  update before it runs (0: sample, then update). `rollout_devices`: where the sampler runs."""
+  update before it runs (0: sample, then update). `rollout_devices`: where the sampler runs.
+  `partial_rollouts`: with a lag, the sampler swaps to the update's params as soon as they are
+  ready, inside the episodes in progress (fresher tokens; the run then depends on timing)."""
 
   lag: int = fields.field(fields.int_in(0, 8), 0)
+  partial_rollouts: bool = fields.field(fields.BOOL, False)
   # The sampler on devices of its own: the last `rollout_devices` devices (the learner's mesh is
   # made of the others); 0: the learner's devices, time-shared. One process.
   rollout_devices: int = fields.field(

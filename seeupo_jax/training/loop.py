@@ -98,16 +98,22 @@ def run(
   num_rows = num_rows // program.processes.count if dynamic_sampling else None
   timer = save_timer.SaveTimer(config.checkpoint.every_minutes)
 
-  def sample(params, key, on_env_wait=None) -> rollout.RolloutResult:
-    """The next B tasks of the stream, n samples each, with `params` (the learner's);
-    `on_env_wait`: see `Roller.run`."""
+  def sample(params, key, version, on_env_wait=None, refresh=None) -> rollout.RolloutResult:
+    """The next B tasks of the stream, n samples each, with `params` (the learner's) of
+    `version`; `on_env_wait`, `refresh`: see `Roller.run`."""
     tasks = stream.take(config.rollout.tasks_per_iteration)
     with jax.set_mesh(program.decode.mesh):  # the sampler on the decode layout
       # The key comes from the learner's (checkpointed, on the learner's mesh): replicated
       # on the decode mesh like every other input of the sampler.
       key = _key_on(key, program.decode.mesh)
       result = program.roller.run(
-        params, tasks, config.rollout.samples_per_task, key, on_env_wait=on_env_wait
+        params,
+        tasks,
+        config.rollout.samples_per_task,
+        key,
+        on_env_wait=on_env_wait,
+        version=version,
+        refresh=refresh,
       )
       if dynamic_sampling:  # DAPO: more tasks until the batch holds B informative groups
         result = refill_informative_groups(
@@ -126,10 +132,29 @@ def run(
     with jax.set_mesh(program.decode.mesh):
       return program.decode(params)
 
+  partial = config.pipeline.partial_rollouts
+
+  def newer_params(updated: list, version: int):
+    """Partial rollouts: `Roller.run`'s refresh. Once the update in `updated` has finished
+    (its params are ready: no wait), its params in the decode layout, of `version`; before
+    that and after the one swap, None."""
+    swapped = []
+
+    def refresh():
+      if swapped or not updated:
+        return None
+      params = learner.policy_params(updated[0][0])
+      if not all(x.is_ready() for x in jax.tree.leaves(params)):
+        return None
+      swapped.append(version)
+      return decode_params(params), version
+
+    return refresh
+
   if lag and pending is None:  # a fresh run: B_1 .. B_k from theta_0 (`pipeline` docstring)
     first = decode_params(learner.policy_params(state))
     pending = [
-      pipeline.Sampled(sample(first, pipeline.prologue_key(config.seed, j)), 0)
+      pipeline.Sampled(sample(first, pipeline.prologue_key(config.seed, j), 0), 0)
       for j in range(1, lag + 1)
     ]
   pending = list(pending or [])
@@ -142,7 +167,7 @@ def run(
         learner.policy_params(state)
       )  # theta_{i-1}: before the update donates it
       if not lag:
-        this = pipeline.Sampled(sample(params, k_rollout), iteration)
+        this = pipeline.Sampled(sample(params, k_rollout, iteration), iteration)
         rollout_time = time.perf_counter() - t0
       else:
         this = pending.pop(0)
@@ -173,7 +198,10 @@ def run(
         dispatch_update()
         jax.block_until_ready(updated[0])
         t_sample = time.perf_counter()
-        pending.append(pipeline.Sampled(sample(params, k_rollout), iteration))
+        refresh = newer_params(updated, iteration + 1) if partial else None
+        pending.append(
+          pipeline.Sampled(sample(params, k_rollout, iteration, None, refresh), iteration)
+        )
         rollout_time = time.perf_counter() - t_sample
       else:  # B_{i+k} with theta_{i-1}, while the update runs
         if program.decode.separate or program.processes.count > 1:
@@ -184,7 +212,12 @@ def run(
           dispatch_update()
         # Else the update is dispatched at the rollout's first wait for the environments.
         t_sample = time.perf_counter()
-        pending.append(pipeline.Sampled(sample(params, k_rollout, dispatch_update), iteration))
+        refresh = newer_params(updated, iteration + 1) if partial else None
+        pending.append(
+          pipeline.Sampled(
+            sample(params, k_rollout, iteration, dispatch_update, refresh), iteration
+          )
+        )
         rollout_time = time.perf_counter() - t_sample
         dispatch_update()  # a rollout that never waited: after it
       state, learner_metrics = updated[0]
@@ -199,6 +232,7 @@ def run(
       metrics["time/env_wait_share"] = result.metrics["rollout/env_wait_time"] / (t2 - t0)
       if lag:
         metrics["pipeline/lag"] = pipeline.version_lag(iteration, this.version)
+        metrics.update(pipeline.token_lag_metrics(result.trajectories, iteration, this.version))
       if _due(iteration, config.eval.every, config.num_iterations):
         metrics.update(_evaluate(program, state, eval_ids, config, iteration, k))
       progress_fn(iteration, metrics)

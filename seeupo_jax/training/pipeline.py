@@ -29,6 +29,7 @@ import dataclasses
 from typing import Any, Optional
 
 import jax
+import numpy as np
 
 from seeupo_jax.rollout.roller import RolloutResult
 from seeupo_jax.rollout.trajectory import Trajectory
@@ -50,6 +51,35 @@ def version_lag(iteration: int, version: int) -> int:
   """How many updates older than the update's starting params (iteration - 1 updates) the
   params that sampled a batch trained at 1-based `iteration` are."""
   return iteration - 1 - version
+
+
+def token_lag_metrics(trajectories, iteration: int, version: int) -> dict[str, float]:
+  """Per-token staleness of a batch trained at 1-based `iteration` and begun with params of
+  `version`: over its reply tokens (of trajectories not dropped), how many updates older than
+  the update's starting params the params that sampled each were (`version_lag` of the token's
+  `Trajectory.versions` entry; records without versions: the batch's version).
+
+    pipeline/token_lag_mean, pipeline/token_lag_min   the mean and least token lag
+    pipeline/swapped_token_share                      the share sampled with params newer than
+                                                      the batch's first (partial rollouts)
+  """
+  lags = []
+  for t in trajectories:
+    if t.dropped:
+      continue
+    versions = t.versions if len(t.versions) == len(t.tokens) else [version] * len(t.tokens)
+    lags.extend(
+      version_lag(iteration, v) for turn, v in zip(t.turn_ids, versions, strict=True) if turn >= 0
+    )
+  if not lags:
+    return {}
+  lags = np.asarray(lags)
+  first = version_lag(iteration, version)
+  return {
+    "pipeline/token_lag_mean": float(lags.mean()),
+    "pipeline/token_lag_min": float(lags.min()),
+    "pipeline/swapped_token_share": float(np.mean(lags < first)),
+  }
 
 
 def prologue_key(seed: int, index: int) -> jax.Array:

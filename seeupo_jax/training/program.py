@@ -239,6 +239,35 @@ def split_devices(config: TrainConfig, processes) -> tuple[list, list | None]:
   return devices[: len(devices) - r], devices[len(devices) - r :]
 
 
+def check_partial_rollouts(config: TrainConfig, processes, dynamic_sampling: bool) -> None:
+  """`pipeline.partial_rollouts` needs a lag (a newer version to swap to while sampling), one
+  process (the swap happens when this process sees the update done: with many, at different
+  points, and the params copy is their collective) and no dynamic sampling (its refills would
+  sample with params the swap replaced).
+
+  Raises:
+    ConfigError: naming the key and what it needs.
+  """
+  p = config.pipeline
+  if not p.partial_rollouts:
+    return
+  if not p.lag:
+    raise ConfigError(
+      "pipeline.partial_rollouts=True needs pipeline.lag >= 1 (with lag 0 every batch is "
+      "sampled with the newest params already); allowed with lag 0: False"
+    )
+  if processes.count > 1:
+    raise ConfigError(
+      f"pipeline.partial_rollouts=True needs one process (this run has {processes.count}); "
+      "allowed here: False"
+    )
+  if dynamic_sampling:
+    raise ConfigError(
+      "pipeline.partial_rollouts=True with learner.dynamic_sampling: the refills would sample "
+      "with params the swap replaced; allowed together: partial_rollouts=False"
+    )
+
+
 def build(config: TrainConfig) -> Program:
   """Builds the program's parts from the typed training config (`config_lib.typed`).
 
@@ -288,6 +317,7 @@ def build(config: TrainConfig) -> Program:
   session_config = r.session_config(processes.count)
   eval_sampling = dataclasses.replace(sampling_config, greedy=config.eval.greedy)
   learner_config = config.learner
+  check_partial_rollouts(config, processes, bool(learner_config.dynamic_sampling))
   learner_parts = build_learner(config, model_config)
   optimizer, critic_optimizer = learner_parts.optimizer, learner_parts.critic_optimizer
   ppo = critic_optimizer is not None

@@ -349,13 +349,17 @@ def test_bench_bfcl_times_our_environment_against_the_bare_official_path():
 def test_bench_async_times_each_lag_side_by_side(tmp_path):
   """bench_async.py trains lag 0 and 1 on one built program, and lag 1 with the sampler on a
   device of its own on another (2 devices); the report's ratios are per round, over lag 0, and
-  lag 1's runs sample one batch ahead (their metrics say so)."""
+  lag 1's runs sample one batch ahead (their metrics say so). With --partial_rollouts each lag
+  1 run also runs with them: every reply token of a lag-1 batch is one update old (token lag
+  1.0) or, swapped, of the update's own params (0): the mean lag is 1 - the swapped share, which
+  is 0 without partial rollouts."""
   out = tmp_path / "async.json"
   env = processes.env(devices=2)
   done = subprocess.run(
     [sys.executable, str(REPO / "benchmarks" / "bench_async.py")]
     + ["--scenarios=tools", "--lags=0,1", "--tasks=2", "--samples=2", "--num-dials=1"]
-    + ["--iterations=2", "--warmup=1", "--rounds=2", "--rollout_devices=1", f"--json={out}"],
+    + ["--iterations=2", "--warmup=1", "--rounds=2", "--rollout_devices=1", f"--json={out}"]
+    + ["--partial_rollouts"],
     capture_output=True,
     text=True,
     env=env,
@@ -364,7 +368,15 @@ def test_bench_async_times_each_lag_side_by_side(tmp_path):
   assert done.returncode == 0, done.stderr[-3000:]
   (result,) = json.loads(out.read_text())
   own = "1, sampler on 1 of 2 devices"
-  assert result["scenario"] == "tools" and list(result["lags"]) == ["0", "1", own]
+  partial = ["1, partial rollouts", own + ", partial rollouts"]
+  assert result["scenario"] == "tools" and list(result["lags"]) == ["0", "1", own] + partial
+  for name in ["1", own]:
+    x = result["lags"][name]
+    assert (x["token_lag_mean"], x["swapped_token_share"]) == (1.0, 0.0)
+  for name in partial:
+    x = result["lags"][name]
+    assert x["lag_trained"] == 1 and 0.0 <= x["swapped_token_share"] <= 1.0
+    assert x["token_lag_mean"] == pytest.approx(1.0 - x["swapped_token_share"])
   base, ahead, beside = (result["lags"][k] for k in ("0", "1", own))
   assert base["speedup_per_round"] == [1.0, 1.0]
   for x in (ahead, beside):

@@ -358,6 +358,65 @@ def test_on_env_wait_is_called_once_at_the_first_wait_for_tool_calls_and_changes
     assert got.reward == want.reward
 
 
+def _partial_roller(chat, tok):
+  return _roller(chat, tok, max_turns=3, max_new=8, decode_steps_per_sync=1)
+
+
+def test_a_partial_rollout_swaps_the_params_inside_replies_and_tags_each_token(params, chat, tok):
+  """`Roller.run(refresh=)`: the first time a reply is in progress (tokens sampled, not ended),
+  the refresh swaps params A (version 3) for B (version 4). Every reply token is tagged with
+  the version that sampled it (-1 on prompt and observation tokens, never decreasing along a
+  trajectory), some reply holds both versions, and each trajectory up to its first version-4
+  token is the run of A alone, token for token and log-prob for log-prob. Swapped before the
+  first token, the call is the run of B alone."""
+  other = qwen.init_params(MODEL, jax.random.key(1))
+  tasks, key = ["3/2/", "2/1/"], jax.random.key(7)
+
+  def run(first, refresh=None):
+    roller = _partial_roller(chat, tok)
+    hook = None if refresh is None else refresh(roller)
+    result = roller.run(first, tasks, 4, key, version=3, refresh=hook)
+    roller.close()
+    return result.trajectories
+
+  def mid_reply(roller):
+    def refresh():
+      if any(n > 0 for n in roller.session.reply_progress().values()) and not swaps:
+        swaps.append(dict(roller.session.reply_progress()))
+        return other, 4
+      return None
+
+    return refresh
+
+  swaps = []
+  only_a, only_b = run(params), run(other)
+  swapped = run(params, mid_reply)
+  assert len(swaps) == 1
+  both = 0
+  for t, a in zip(swapped, only_a, strict=True):
+    assert len(t.versions) == len(t.tokens)
+    reply = np.asarray(t.turn_ids) >= 0
+    versions = np.asarray(t.versions)
+    assert np.all(versions[~reply] == -1)
+    assert set(versions[reply]) <= {3, 4}
+    assert np.all(np.diff(versions[reply]) >= 0)
+    for turn in range(t.num_turns):
+      both += set(versions[np.asarray(t.turn_ids) == turn]) == {3, 4}
+    # Up to the first token of B: the run of A.
+    first_b = int(np.argmax(versions == 4)) if np.any(versions == 4) else len(t.tokens)
+    assert t.tokens[:first_b] == a.tokens[:first_b]
+    np.testing.assert_allclose(t.logprobs[:first_b], a.logprobs[:first_b], atol=1e-5)
+  assert both >= 1  # a swap inside a reply
+  assert any(4 in t.versions for t in swapped)
+
+  at_once = run(params, lambda roller: lambda: (other, 4))
+  for t, b in zip(at_once, only_b, strict=True):
+    assert t.tokens == b.tokens
+    np.testing.assert_allclose(t.logprobs, b.logprobs, atol=1e-5)
+    assert {v for v, turn in zip(t.versions, t.turn_ids) if turn >= 0} == {4}
+  assert any(t.tokens != a.tokens for t, a in zip(only_b, only_a))  # A and B sample apart
+
+
 def test_synthetic_rollout_scores_match_the_replies(params, chat, tok):
   spec = envs.make_spec("synthetic", {"num_dials": 3})
   sc = sampling.SamplingConfig(max_new_tokens=3, stop_token_ids=(chat.end_of_turn_id,))

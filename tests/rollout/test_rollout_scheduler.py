@@ -87,7 +87,7 @@ class ScriptedPolicy:
     self.replied = set()  # (row, turn) of the replies returned
     self._free, self._owed, self._turn = [], {}, {}
 
-  def begin(self, params):
+  def begin(self, params, version=0):
     self.log.append(("begin", params))
     self._free = list(range(self.slots - 1, -1, -1))
 

@@ -6,6 +6,7 @@ One process, in-process, with one built program (its sampler and update compile 
 Two processes with a lag: tests/training/test_run_multiprocess.py.
 """
 
+import dataclasses
 import json
 
 import jax
@@ -201,3 +202,103 @@ def test_a_lag_outside_its_range_names_the_key():
     config_lib.ConfigError, match=r"pipeline\.lag=-1; allowed: an int in \[0, 8\]"
   ):
     config_lib.typed(small_config(-1))
+
+
+def _pending_batches(program, workdir, iterations):
+  """{j: (version, trajectories)} of the batches the checkpoints 1 .. `iterations` hold."""
+  out = {}
+  for i in range(1, iterations + 1):
+    _, progress = _restore(program, workdir, i)
+    for offset, entry in enumerate(progress["pending"], start=1):
+      (part,) = entry["processes"]
+      out[i + offset] = (entry["version"], [rollout.Trajectory(**t) for t in part["trajectories"]])
+  return out
+
+
+def _reply_versions(trajectories):
+  return np.concatenate([np.asarray(t.versions)[np.asarray(t.turn_ids) >= 0] for t in trajectories])
+
+
+@pytest.mark.slow
+def test_partial_rollouts_swap_to_the_updates_params_and_tag_each_token(
+  program, tmp_path, monkeypatch
+):
+  """`pipeline.partial_rollouts` with lag 1. Run step by step (each update done before the
+  sampling beside it starts), every batch after the prologue is sampled with the params of the
+  update it was sampled beside (version v + 1, teacher-forced from that checkpoint). Overlapped,
+  each batch's tokens are of version v or v + 1, each trajectory's v-tokens first, with v's
+  log-probs; the token-lag metrics of each iteration are those of the batch it trained, and a
+  resumed run trains the batch its checkpoint holds, versions and all."""
+  iterations = 3
+  config = small_config(1, num_iterations=iterations)
+  config.pipeline.partial_rollouts = True
+  params = {0: program.init_state().params}
+
+  step_by_step = tmp_path / "step_by_step"
+  run = loop.run
+  with monkeypatch.context() as m:
+    m.setattr(loop, "run", lambda *a, **kw: run(*a, **kw, overlap=False))
+    trainer._train(config, str(step_by_step), program)
+  for i in range(1, iterations + 1):
+    params[i], _ = _restore(program, step_by_step, i)
+  for j, (version, trajectories) in _pending_batches(program, step_by_step, iterations).items():
+    assert version == j - 2
+    assert set(_reply_versions(trajectories)) == {version + 1}
+    learner_logp, sampled = _teacher_forced(program, params[version + 1], trajectories)
+    np.testing.assert_allclose(learner_logp, sampled, atol=2e-5)
+  records = metrics_log.read_metrics(str(step_by_step / "metrics.jsonl"))
+  assert [r["pipeline/swapped_token_share"] for r in records] == [0.0, 1.0, 1.0]
+  assert [r["pipeline/token_lag_mean"] for r in records] == [0.0, 0.0, 0.0]
+
+  overlapped = tmp_path / "overlapped"
+  trainer._train(config, str(overlapped), program)
+  records = metrics_log.read_metrics(str(overlapped / "metrics.jsonl"))
+  pending = _pending_batches(program, overlapped, iterations)
+  for j, (version, trajectories) in pending.items():
+    for t in trajectories:
+      versions = np.asarray(t.versions)[np.asarray(t.turn_ids) >= 0]
+      assert set(versions) <= {version, version + 1} and np.all(np.diff(versions) >= 0)
+    if j <= iterations:  # trained at iteration j: its metrics are this batch's
+      lags = (j - 1) - _reply_versions(trajectories)
+      record = records[j - 1]
+      assert record["pipeline/token_lag_mean"] == pytest.approx(lags.mean())
+      assert record["pipeline/swapped_token_share"] == pytest.approx(np.mean(lags < 1))
+  # The tokens of version v, each trajectory's first ones, are v's samples.
+  _, trajectories = pending[3]
+  prefix = [
+    dataclasses.replace(t, turn_ids=[k if v == 1 else -1 for k, v in zip(t.turn_ids, t.versions)])
+    for t in trajectories
+  ]
+  learner_logp, sampled = _teacher_forced(program, params[1], prefix)
+  np.testing.assert_allclose(learner_logp, sampled, atol=2e-5)
+
+  resumed = tmp_path / "resumed"
+  trainer._train(small_config_partial(num_iterations=2), str(resumed), program)
+  _, held = _pending_batches(program, resumed, 2)[3]
+  trainer._train(config, str(resumed), program)
+  record = metrics_log.read_metrics(str(resumed / "metrics.jsonl"))[2]
+  lags = 2 - _reply_versions(held)
+  assert record["pipeline/token_lag_mean"] == pytest.approx(lags.mean())
+  assert record["pipeline/swapped_token_share"] == pytest.approx(np.mean(lags < 1))
+
+
+def small_config_partial(num_iterations):
+  config = small_config(1, num_iterations=num_iterations)
+  config.pipeline.partial_rollouts = True
+  return config
+
+
+@pytest.mark.parametrize(
+  "lag, dynamic, match",
+  [
+    (0, False, r"pipeline\.partial_rollouts=True needs pipeline\.lag >= 1"),
+    (1, True, r"pipeline\.partial_rollouts=True with learner\.dynamic_sampling"),
+  ],
+)
+def test_partial_rollouts_without_a_lag_or_with_dynamic_sampling_name_the_keys(lag, dynamic, match):
+  config = small_config(lag)
+  config.pipeline.partial_rollouts = True
+  if dynamic:
+    config.learner.algorithm = "dapo"
+  with pytest.raises(config_lib.ConfigError, match=match):
+    trainer.build(config)
