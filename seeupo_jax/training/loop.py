@@ -19,6 +19,8 @@ learner's devices it is dispatched at the rollout's first wait for the environme
 (`Roller.run(on_env_wait=)`: after a decode round, every live episode waiting on a tool call), so
 its device time runs in the environments' time, and after the rollout if that never waits; with
 many processes, first (the schedule, the prologue and what a checkpoint holds: `pipeline.py`).
+With `pipeline.partial_rollouts` the sampler of B_{i+k} swaps to the update's params once they
+are ready (`newer_params`, `Roller.run(refresh=)`).
 
 The loop writes no file itself: the writers are the caller's (`trainer.train`).
 """
@@ -81,7 +83,8 @@ def run(
     pending: with `pipeline.lag` k > 0, the k batches sampled and not yet trained at
       `iteration` (a checkpoint's, `pipeline.from_progress`); None: a fresh run samples them.
     overlap: False waits for each update before sampling the next batch: the same schedule,
-      one step after the other (the reference the overlapped run equals).
+      one step after the other (the reference the overlapped run equals; with partial
+      rollouts every batch after the prologue is then sampled with the update's params).
 
   Raises:
     preemption.Preempted: after saving the iteration a signal stopped the run at.

@@ -16,6 +16,11 @@ and, where the devices allow, its decoding overlap the update. Which params samp
 with which key and tasks, does not depend on timing: a run's trajectories and params equal those
 of the same schedule run one step after the other (`loop.run` with `overlap=False`).
 
+Partial rollouts (`pipeline.partial_rollouts`) give up that determinism for fresher tokens: the
+sampler of B_{i+k} swaps to theta_i as soon as the update of B_i has finished, inside the
+episodes in progress (`Roller.run(refresh=)`), each token tagged with the version that sampled
+it (`Trajectory.versions`; `token_lag_metrics`).
+
 The batches sampled but not yet trained (k of them between iterations) are part of the
 loop's state: a checkpoint holds them, every process's, in its `progress` item
 (`to_progress` / `from_progress`), so a resumed run trains exactly the batches the uninterrupted
