@@ -8,10 +8,9 @@ environments) sit here, at the top of `tests/`, which this file puts on `sys.pat
 every folder imports them by their plain names (and processes spawned from a test inherit it).
 
 XLA_FLAGS must be set before jax is imported anywhere, so it is set here, at
-the top of the first module pytest imports: 8 simulated devices, and the test processes' compile
-flags of `tests/processes.py` (XLA's CPU backend at optimization level 0: less compilation, the
-same programs); every process the tests start with `processes.env` (`run.py`, the benchmarks)
-compiles at level 1 (longer runs).
+the top of the first module pytest imports: 8 simulated devices, and the compile flags of
+`tests/processes.py` (XLA's CPU backend at optimization level 0: less compilation, the same
+programs), which every process the tests start gets too (`processes.env`).
 
 The compilation cache: every process a test session starts (`experiments/run.py`, the
 benchmark scripts, the notebooks' kernels) shares one persistent JAX compilation cache, a
@@ -49,7 +48,7 @@ if _TESTS not in sys.path:
 
 import processes  # noqa: E402  (tests/processes.py)
 
-os.environ.setdefault("XLA_FLAGS", processes.session_xla_flags(devices=8))
+os.environ.setdefault("XLA_FLAGS", processes.xla_flags(devices=8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("SEEUPO_NOTEBOOK_QUICK", "1")  # the notebooks' kernels inherit it
 

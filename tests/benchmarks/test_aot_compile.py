@@ -35,7 +35,7 @@ def _compile(tmp_path, *args):
     capture_output=True,
     text=True,
     # No persistent cache: a program read back from it may not report its memory.
-    env=processes.env(JAX_ENABLE_COMPILATION_CACHE="false"),
+    env=processes.env(level=1, JAX_ENABLE_COMPILATION_CACHE="false"),
     timeout=900,
   )
   assert done.returncode == 0, done.stderr[-3000:]

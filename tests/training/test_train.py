@@ -41,16 +41,16 @@ SMALL = (
 )
 
 
-def _env(**extra):
-  return processes.env(**extra)
+def _env(level=0, **extra):
+  return processes.env(level=level, **extra)
 
 
-def _run(*args, timeout=600, **env):
+def _run(*args, timeout=600, level=0, **env):
   return subprocess.run(
     [sys.executable, _RUN, *args],
     capture_output=True,
     text=True,
-    env=_env(**env),
+    env=_env(level, **env),
     cwd=_ROOT,
     timeout=timeout,
   )
@@ -313,6 +313,7 @@ def test_seeupo_learns_the_synthetic_task_well_above_chance(tmp_path):
     "--config.log.progress_bar=False",
     "--config.log.plot=False",
     timeout=1800,
+    level=1,  # 250 iterations: the run, not its compilation, is most of the time (processes.py)
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   records = metrics_log.read_metrics(str(tmp_path / "metrics.jsonl"))
