@@ -86,7 +86,7 @@ class Trajectory:
     where a partial rollout swapped the params inside or before that turn's reply)."""
     out: list[set] = [set() for _ in range(self.num_turns)]
     for turn, version in zip(self.turn_ids, self.versions):
-      if turn >= 0 and turn < len(out):
+      if 0 <= turn < len(out):
         out[turn].add(version)
     return [sorted(v) for v in out]
 

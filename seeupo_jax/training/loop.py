@@ -188,6 +188,8 @@ def run(
       learner.validate(batch, program.learner_config.num_turns, num_rows=global_rows)
       sharded = learner.shard_batch(batch, program.mesh)
       updated = []
+      # Partial rollouts: the sampling of B_{i+k} swaps to theta_i once the update is done.
+      refresh = newer_params(updated, iteration + 1) if partial else None
 
       def dispatch_update(state=state, sharded=sharded, k_update=k_update):
         # Returns at once (JAX's asynchronous dispatch); the first call only.
@@ -201,7 +203,6 @@ def run(
         dispatch_update()
         jax.block_until_ready(updated[0])
         t_sample = time.perf_counter()
-        refresh = newer_params(updated, iteration + 1) if partial else None
         pending.append(
           pipeline.Sampled(sample(params, k_rollout, iteration, None, refresh), iteration)
         )
@@ -215,7 +216,6 @@ def run(
           dispatch_update()
         # Else the update is dispatched at the rollout's first wait for the environments.
         t_sample = time.perf_counter()
-        refresh = newer_params(updated, iteration + 1) if partial else None
         pending.append(
           pipeline.Sampled(
             sample(params, k_rollout, iteration, dispatch_update, refresh), iteration
