@@ -22,6 +22,7 @@ import pytest
 
 from seeupo_jax import envs
 from seeupo_jax.envs import bfcl, bfcl_calls
+import processes
 import tiny
 
 # The BFCL data and backends (README "Run the tests": pip install --no-deps bfcl-eval==...).
@@ -961,7 +962,7 @@ def test_a_turn_level_algorithm_without_turn_signals_is_refused_naming_the_key(d
 
 
 def _run(*args, timeout=600, **env_vars):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=_ROOT, **env_vars)
+  env = dict(processes.env(devices=1), PYTHONPATH=_ROOT, **env_vars)
   return subprocess.run(
     [sys.executable, _RUN, "--config=bfcl", *args],
     capture_output=True,
