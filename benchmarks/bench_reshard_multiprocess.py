@@ -6,7 +6,10 @@ process, replicated across processes, then handed to each process as arrays on i
 mesh (`distributed.local_view`, no copy). This script times that call for 2 processes x 2
 simulated CPU devices (JAX's multi-process runtime, gloo over loopback) and, as the baseline,
 for 1 process x 4 devices, on the same learner mesh (data=1, fsdp=4) and decode
-tensor-parallel size 2:
+tensor-parallel size 2; and, with samplers on devices of their own (`pipeline.rollout_devices`),
+for 2 processes x 4 devices, the learner on the first 2 of each (the same 4-device learner mesh)
+and each process's sampler on its last 2: the reshard onto the learner's devices (the hop), then
+each process's copy onto its own sampler devices (`DecodeLayout(devices=)`):
 
   .venv/bin/python benchmarks/bench_reshard_multiprocess.py                  # qwen3-tiny, qwen3-bench
   .venv/bin/python benchmarks/bench_reshard_multiprocess.py --presets qwen3-bench --repeats 20
@@ -59,12 +62,21 @@ def worker(args) -> None:
       num_processes=args.num_processes,
       process_id=args.process_id,
     )
-  mesh = sharding.make_mesh(data=1, fsdp=-1, tensor=1)
+  own = None
+  learner_devices = jax.devices()
+  if args.own:  # each process's last `own` devices are its sampler's (`program.split_devices`)
+    own = jax.local_devices()[-args.own :]
+    by_process = {}
+    for d in jax.devices():
+      by_process.setdefault(d.process_index, []).append(d)
+    taken = {d.id for ds in by_process.values() for d in ds[-args.own :]}
+    learner_devices = [d for d in jax.devices() if d.id not in taken]
+  mesh = sharding.make_mesh(data=1, fsdp=-1, tensor=1, devices=learner_devices)
   report = {}
   for preset in args.presets.split(","):
     config = config_lib.get_preset(preset, dtype=args.dtype)
     params = learner.shard_params(qwen.init_params(config, jax.random.key(0)), mesh)
-    layout = decode_layout.DecodeLayout(config, mesh, tensor=args.tensor)
+    layout = decode_layout.DecodeLayout(config, mesh, tensor=args.tensor, devices=own)
     bump = jax.jit(lambda p: jax.tree.map(lambda x: x * 1.0, p))  # new arrays: a real reshard
     times = []
     for i in range(args.repeats + 1):  # the first call compiles and allocates
@@ -74,7 +86,10 @@ def worker(args) -> None:
       if i:
         times.append(time.perf_counter() - t0)
     # The collectives XLA compiled for the (donating) reshard: bytes over links per device.
-    hlo = layout.reshard_into.lower(params, layout._params).compile().as_text()
+    if own is None:
+      hlo = layout.reshard_into.lower(params, layout._params).compile().as_text()
+    else:  # the hop's (it allocates each time: its copy is deleted once the sampler has its)
+      hlo = layout._hop.reshard.lower(params).compile().as_text()
     moved = hlo_collectives.summarize(hlo_collectives.collectives(hlo))["total"]
     local = sum(x.nbytes for x in jax.tree.leaves(out))  # this process's copy (all its devices)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
@@ -92,6 +107,7 @@ def worker(args) -> None:
       "processes": p,
       "devices_per_process": jax.local_device_count(),
       "decode_mesh": dict(layout.mesh.shape),
+      "sampler_devices_of_their_own": len(own or ()),
     }
   if jax.process_index() == 0:
     print(json.dumps(report))
@@ -99,7 +115,7 @@ def worker(args) -> None:
     jax.distributed.shutdown()
 
 
-def _launch(num_processes: int, devices: int, args) -> dict:
+def _launch(num_processes: int, devices: int, args, own: int = 0) -> dict:
   env = dict(
     os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
   )
@@ -113,6 +129,7 @@ def _launch(num_processes: int, devices: int, args) -> dict:
     f"--repeats={args.repeats}",
     f"--tensor={args.tensor}",
     f"--dtype={args.dtype}",
+    f"--own={own}",
   ]
   procs = [
     subprocess.Popen(
@@ -138,6 +155,7 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--tensor", type=int, default=2)
   parser.add_argument("--dtype", default="bfloat16", help="the compute dtype of the copy")
+  parser.add_argument("--own", type=int, default=0, help="(worker) sampler devices per process")
   parser.add_argument("--worker", action="store_true")
   parser.add_argument("--num_processes", type=int, default=1)
   parser.add_argument("--process_id", type=int, default=0)
@@ -146,20 +164,25 @@ def main() -> None:
   if args.worker:
     worker(args)
     return
-  report = {"2x2": _launch(2, 2, args), "1x4": _launch(1, 4, args)}
+  report = {
+    "2x2": _launch(2, 2, args),
+    "1x4": _launch(1, 4, args),
+    "2x(2+2)": _launch(2, 4, args, own=args.tensor),
+  }
   print(json.dumps(report, indent=1))
   print(
     "preset       | params | copy MB | received/process MB | link MB/device 2x2 (1x4) | "
-    "2x2 ms | 1x4 ms",
+    "2x2 ms | 1x4 ms | 2x(2+2) own ms",
     file=sys.stderr,
   )
   for preset, two in report["2x2"].items():
-    one = report["1x4"][preset]
+    one, own = report["1x4"][preset], report["2x(2+2)"][preset]
     print(
       f"{preset:12} | {two['params'] / 1e6:6.2f}M | {two['decode_copy_bytes'] / 1e6:7.2f} | "
       f"{two['received_per_process_bytes'] / 1e6:19.2f} | "
       f"{two['hlo_link_bytes_per_device'] / 1e6:10.2f} ({one['hlo_link_bytes_per_device'] / 1e6:.2f})"
-      f"{'':13} | {two['reshard_ms_median']:6.1f} | {one['reshard_ms_median']:6.1f}",
+      f"{'':13} | {two['reshard_ms_median']:6.1f} | {one['reshard_ms_median']:6.1f} | "
+      f"{own['reshard_ms_median']:14.1f}",
       file=sys.stderr,
     )
 

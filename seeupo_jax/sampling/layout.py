@@ -34,11 +34,17 @@ the copy's shards as arrays on its own decode mesh (`mesh`, `distributed.process
 a copy. The sampler then never touches another process's devices. One process: the two meshes
 are one.
 
-Devices of its own (`devices=`, one process): the decode mesh is made of other devices than the
-learner's (`pipeline.rollout_devices`), so the sampler and the update run at the same time. The
-copy is cast to the compute dtype on the learner's devices (in the learner's layout) and then
-`jax.device_put` into the decode layout on the sampler's devices; the previous copy is deleted
-first, so the sampler's devices hold one copy.
+Devices of its own (`devices=`): the decode mesh is made of other devices than the learner's
+(`pipeline.rollout_devices`), so the sampler and the update run at the same time. One process:
+the copy is cast to the compute dtype on the learner's devices (in the learner's layout) and then
+`jax.device_put` into the decode layout on the sampler's devices. Many processes (each process's
+sampler devices its own, the learner's mesh spanning every process's others): `device_put` cannot
+move a global array between device sets of several processes, so the copy goes through a hop,
+the decode layout of the learner's devices above (a collective of the processes' learner
+devices: each process's learner devices then hold the whole model in the compute dtype, 1 / their
+number each, once per set of params), whose local part this process `device_put`s onto its own
+sampler devices, device to device within the host; the hop is deleted once the copy has landed.
+Either way the previous copy is deleted first, so the sampler's devices hold one copy.
 
 `layout(params)` runs one jitted function with fixed `out_shardings`. From the second call on it
 donates the previous call's output, so XLA writes the new copy into the old copy's buffers (the
@@ -79,7 +85,8 @@ def decode_mesh(mesh: Mesh, tensor: Optional[int] = None) -> Mesh:
     mesh: the learner's mesh (`sharding.make_mesh`).
     tensor: the tensor-parallel size; None = every device of one `mesh` data slice
       (fsdp x tensor of `mesh`), so data keeps its size, but at most one process's devices
-      (their greatest common divisor: a tensor-parallel group never spans processes). Must
+      of `mesh` (their greatest common divisor: a tensor-parallel group never spans
+      processes). Must
       divide the number of devices; data becomes devices / tensor.
 
   Returns:
@@ -90,7 +97,8 @@ def decode_mesh(mesh: Mesh, tensor: Optional[int] = None) -> Mesh:
   if tensor is None:
     tensor = n // mesh.shape["data"]
     if jax.process_count() > 1:
-      tensor = math.gcd(tensor, jax.local_device_count())
+      mine = sum(d.process_index == jax.process_index() for d in devices.flat)
+      tensor = math.gcd(tensor, mine)
   if not isinstance(tensor, int) or tensor < 1 or n % tensor:
     raise ValueError(f"decode tensor size must be a positive divisor of {n} devices, got {tensor}")
   return sharding.make_mesh(data=n // tensor, fsdp=1, tensor=tensor, devices=list(devices.flat))
@@ -259,8 +267,9 @@ class DecodeLayout:
       concurrently with the ones around it, in different orders on different devices, which
       gloo then matched wrongly ("collective mismatch", an abort). Accelerators issue a
       program's collectives in its order.
-    devices: the sampler's own devices, none of them in `mesh` (one process): the decode mesh
-      is made of them, and each copy is cast on the learner's devices and `device_put` there.
+    devices: the sampler's own devices, none of them in `mesh`, all of them this process's:
+      the decode mesh is made of them, and each copy is cast on the learner's devices and
+      `device_put` there (with many processes through the hop of the module docstring).
 
   Attributes:
     mesh: the decode mesh of this process's devices: run the sampler under
@@ -338,8 +347,12 @@ class DecodeLayout:
 
   def _init_separate(self, model_config, mesh, tensor, devices) -> None:
     """The decode layout on `devices`, none of them the learner's (see the module docstring)."""
-    if jax.process_count() > 1:
-      raise ValueError("a decode mesh of devices of its own needs one process")
+    others = sorted(d.id for d in devices if d.process_index != jax.process_index())
+    if others:
+      raise ValueError(
+        f"the sampler's devices must be this process's ({jax.process_index()}); "
+        f"of another: {others}"
+      )
     learner = {d.id for d in mesh.devices.flat}
     shared = sorted(d.id for d in devices if d.id in learner)
     if not devices or shared:
@@ -366,11 +379,26 @@ class DecodeLayout:
       lambda params: jax.tree.map(lambda x: x.astype(_cast_to(x, dtype)), params),
       out_shardings=source,
     )
+    # Many processes: the hop, the decode layout of the learner's devices (module docstring).
+    self._hop = None
+    if jax.process_count() > 1:
+      try:
+        self._hop = DecodeLayout(model_config, mesh, donate=False)
+      except ValueError as e:
+        raise ValueError(f"the copy's hop on the learner's devices: {e}") from None
     self.unroll = False
     self.donate = False
     self._source: list[weakref.ref] = []
     self._params: Optional[Params] = None
     self._local: Optional[Params] = None
+
+  def release(self) -> None:
+    """Deletes the copy (the next call makes a new one)."""
+    if self._params is not None:
+      for x in jax.tree.leaves(self._params):
+        x.delete()
+    self._params = self._local = None
+    self._source = []
 
   def cache_sharding(self, cache: qwen.KVCache) -> qwen.KVCache:
     """The KV cache's shardings on the decode mesh (for `sampling.SamplerSession`)."""
@@ -391,13 +419,15 @@ class DecodeLayout:
     ):
       return self._local
     if self.separate:
-      if self._params is not None:  # one copy on the sampler's devices
-        for x in jax.tree.leaves(self._params):
-          x.delete()
-        self._params = self._local = None
-      with jax.set_mesh(self._learner_mesh):
-        cast = self._cast(params)
-      out = jax.device_put(cast, self.shardings)
+      self.release()  # one copy on the sampler's devices
+      if self._hop is None:
+        with jax.set_mesh(self._learner_mesh):
+          cast = self._cast(params)
+        out = jax.device_put(cast, self.shardings)
+      else:
+        hop = self._hop(params)  # a collective of the processes
+        out = jax.block_until_ready(jax.device_put(hop, self.shardings))
+        self._hop.release()
       self._source = [weakref.ref(leaf) for leaf in leaves]
       self._params = self._local = out
       return out

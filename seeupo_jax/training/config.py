@@ -253,8 +253,9 @@ class PipelineSection:
 
   lag: int = fields.field(fields.int_in(0, 8), 0)
   partial_rollouts: bool = fields.field(fields.BOOL, False)
-  # The sampler on devices of its own: the last `rollout_devices` devices (the learner's mesh is
-  # made of the others); 0: the learner's devices, time-shared. One process.
+  # The sampler on devices of its own: the last `rollout_devices` devices of each process (the
+  # learner's mesh is made of the others, every process's); 0: the learner's devices,
+  # time-shared.
   rollout_devices: int = fields.field(
     fields.described(fields.int_at_least(0), "0: the learner's devices"), 0
   )

@@ -12,6 +12,7 @@ import dataclasses
 import os
 from typing import Any, Optional
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import optax
@@ -216,27 +217,30 @@ def build_decode_layout(
 
 
 def split_devices(config: TrainConfig, processes) -> tuple[list, list | None]:
-  """(the learner's devices, the sampler's or None): with `pipeline.rollout_devices` r > 0, the
-  last r devices are the sampler's and the others the learner's.
+  """(the learner's devices, this process's sampler devices or None): with
+  `pipeline.rollout_devices` r > 0, the last r devices of each process are that process's
+  sampler's, and the others, every process's, the learner's (one process: the last r devices).
 
   Raises:
-    ConfigError: r with many processes, or r leaving the learner no device.
+    ConfigError: r leaving the learner no device of a process.
   """
   devices = list(jax.devices())
   r = config.pipeline.rollout_devices
   if not r:
     return devices, None
-  if processes.count > 1:
+  by_process: dict[int, list] = {}
+  for d in devices:
+    by_process.setdefault(d.process_index, []).append(d)
+  fewest = min(len(own) for own in by_process.values())
+  if r >= fewest:
+    where = f"the {fewest}" if processes.count == 1 else f"the {fewest} of each process"
     raise ConfigError(
-      f"pipeline.rollout_devices={r}: devices of the sampler's own need one process (this run "
-      f"has {processes.count}); allowed here: 0"
+      f"pipeline.rollout_devices={r} leaves the learner no device of {where}; "
+      f"allowed: 0 to {fewest - 1}"
     )
-  if r >= len(devices):
-    raise ConfigError(
-      f"pipeline.rollout_devices={r} leaves the learner no device of the {len(devices)}; "
-      f"allowed: 0 to {len(devices) - 1}"
-    )
-  return devices[: len(devices) - r], devices[len(devices) - r :]
+  sampler = {p: own[len(own) - r :] for p, own in by_process.items()}
+  taken = {d.id for own in sampler.values() for d in own}
+  return [d for d in devices if d.id not in taken], sampler[jax.process_index()]
 
 
 def check_partial_rollouts(config: TrainConfig, processes, dynamic_sampling: bool) -> None:
@@ -300,6 +304,14 @@ def build(config: TrainConfig) -> Program:
   with _config_values("chat_template_kwargs"):
     chat = chat_tokens.ChatTokens(tokenizer, dict(config.chat_template_kwargs))
   learner_devices, rollout_devices = split_devices(config, processes)
+  if rollout_devices:
+    local = {d.id: i for i, d in enumerate(jax.local_devices())}
+    logging.info(
+      "pipeline.rollout_devices: this process's devices %s sample, %s learn (of %d learning)",
+      [local[d.id] for d in rollout_devices],
+      [local[d.id] for d in learner_devices if d.id in local],
+      len(learner_devices),
+    )
   with _config_values("mesh"):
     mesh = sharding_lib.make_mesh(**dataclasses.asdict(config.mesh), devices=learner_devices)
   if processes.count > 1:

@@ -5,7 +5,9 @@ The 2-process run must play the 1-process run's trajectories and end with its pa
 learner is the same SPMD program on the same 4 devices; the sampler runs per process), with one
 metrics file that holds each iteration once, written by process 0 alone. Every run samples one
 batch ahead of its update (`pipeline.lag=1`; the synchronous program is the same loop without
-the batches in flight: tests/training/test_pipeline.py).
+the batches in flight: tests/training/test_pipeline.py). With `pipeline.rollout_devices`, 2
+processes of 4 devices (the learner on 2 of each, each sampler on the other 2) must equal the
+time-shared 2-process run.
 """
 
 import json
@@ -123,14 +125,15 @@ def _start(
   return procs
 
 
-def _run(workdir, num_processes: int, devices: int, cache=None, timeout=900) -> list[str]:
-  """Runs to the end; returns each process's output (also in <workdir>_logs<k>/)."""
+def _run(workdir, num_processes: int, devices: int, cache=None, timeout=900, extra=()) -> list[str]:
+  """Runs to the end (`extra` flags after `SMALL`); returns each process's output (also in
+  <workdir>_logs<k>/)."""
   k = 0
   while (workdir.parent / f"{workdir.name}_logs{k}").exists():
     k += 1
   logs = workdir.parent / f"{workdir.name}_logs{k}"
   logs.mkdir()
-  procs = _start(workdir, num_processes, devices, logs, cache)
+  procs = _start(workdir, num_processes, devices, logs, cache, extra)
   deadline = time.time() + timeout
   try:
     for proc in procs:
@@ -219,6 +222,37 @@ def test_two_processes_play_and_learn_as_one_process_of_four_devices(two_process
   assert not list(two.glob("error*.log"))
   assert "avg@2" in outputs[0] and "avg@2" not in outputs[1]
   assert (two / "hf_policy" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_samplers_on_devices_of_their_own_play_and_learn_as_the_time_shared_run(
+  two_processes, tmp_path
+):
+  """2 processes of 4 devices, `pipeline.rollout_devices=2`: the learner's mesh is the first 2
+  devices of each process (4 devices, as in the time-shared run), each process samples on its
+  last 2 (2-way tensor-parallel, as there), with the update running beside it.
+  Each new set of params reaches the samplers through the hop on the learner's devices
+  (`DecodeLayout`): the trajectories, metrics and exported params are the time-shared run's,
+  bit for bit."""
+  shared, cache, _ = two_processes
+  own = tmp_path / "own"
+  placement = ("--verbosity=0", "--alsologtostderr")  # the INFO line that names the devices
+  outputs = _run(own, 2, 4, cache, extra=("--config.pipeline.rollout_devices=2", *placement))
+  for out in outputs:  # each process's own devices, in its jax.local_devices() order
+    assert "this process's devices [2, 3] sample, [0, 1] learn (of 4 learning)" in out
+  strip = lambda records: [  # noqa: E731
+    {
+      k: v
+      for k, v in r.items()
+      if k != "time" and not k.startswith("time/") and k not in NOT_COMPARED
+    }
+    for r in records
+  ]
+  assert [r["iteration"] for r in _records(own)] == list(range(1, ITERATIONS + 1))
+  assert strip(_records(own)) == strip(_records(shared))
+  assert _trajectories(own) == _trajectories(shared)
+  a = (shared / "hf_policy" / "model.safetensors").read_bytes()
+  assert (own / "hf_policy" / "model.safetensors").read_bytes() == a
 
 
 @pytest.mark.slow
