@@ -8,6 +8,8 @@ Two processes with a lag: tests/training/test_run_multiprocess.py.
 
 import dataclasses
 import json
+import subprocess
+import sys
 import types
 
 import jax
@@ -16,9 +18,11 @@ import pytest
 
 from seeupo_jax import learner
 from seeupo_jax import rollout
+from seeupo_jax.devtools import logp_gap
 from seeupo_jax.training import checkpoints, config as config_lib, loop, metrics_log, trainer
 from seeupo_jax.training import program as program_lib
 
+import processes
 import test_preemption_phases as phases
 
 ITERATIONS = 4
@@ -127,6 +131,58 @@ def test_each_batch_is_sampled_with_the_params_lag_iterations_before_its_update(
     np.testing.assert_allclose(learner_logp, sampled, atol=2e-5)
     newer, _ = _teacher_forced(program, params[version + 1], trajectories)
     assert np.max(np.abs(newer - sampled)) > 1e-3  # the check tells the versions apart
+
+
+@pytest.mark.slow
+def test_logp_gap_reports_each_pending_batch_against_the_checkpoints_params(program, whole):
+  """`python -m seeupo_jax.devtools.logp_gap`: checkpoint 3 holds B_4 (sampled with theta_1)
+  and B_5 (theta_2); per batch and version, the tokens and |recorded - learner| log-prob gaps
+  under theta_3 are the ones teacher-forced here; under the sampling params the gap is the
+  float32 rounding."""
+  iteration, batches = logp_gap.checkpoint_gaps(str(whole), 3)
+  assert iteration == 3 and [version for version, _ in batches] == [1, 2]
+  params3, progress = _restore(program, whole, 3)
+  for (version, gaps), entry in zip(batches, progress["pending"]):
+    (part,) = entry["processes"]
+    trajectories = [rollout.Trajectory(**t) for t in part["trajectories"]]
+    learner_logp, sampled = _teacher_forced(program, params3, trajectories)
+    gap = np.abs(learner_logp - sampled)
+    (g,) = gaps  # no partial rollouts: one version a batch
+    assert (g.version, g.tokens, g.over_one) == (version, gap.size, int((gap > 1).sum()))
+    np.testing.assert_allclose([g.mean, g.max], [gap.mean(), gap.max()], rtol=1e-5)
+    assert g.max > 1e-3  # the updates since (two for B_4, one for B_5) moved them
+    own, _ = _restore(program, whole, version)
+    (same,) = logp_gap.gaps_by_version(
+      learner.qwen_logprob_fn(program.model_config, temperature=1.0),
+      own,
+      trajectories,
+      num_turns=1,
+      max_len=128,
+    )
+    assert same.version == version and same.max < 2e-5
+  out = subprocess.run(
+    [sys.executable, "-m", "seeupo_jax.devtools.logp_gap", f"--workdir={whole}", "--iteration=3"],
+    capture_output=True,
+    text=True,
+    env=processes.env(),
+    timeout=300,
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  rows = [line.split(" | ") for line in out.stdout.splitlines() if line.startswith("B_")]
+  assert [row[:3] for row in rows] == [["B_4", "1", "1"], ["B_5", "2", "2"]]
+  assert [int(row[3]) for row in rows] == [gaps[0].tokens for _, gaps in batches]
+
+
+def test_logp_gap_of_a_workdir_without_pending_batches_is_one_line(tmp_path):
+  out = subprocess.run(
+    [sys.executable, "-m", "seeupo_jax.devtools.logp_gap", f"--workdir={tmp_path}"],
+    capture_output=True,
+    text=True,
+    env=processes.env(),
+    timeout=300,
+  )
+  assert out.returncode == 2
+  assert out.stderr.strip().splitlines() == [f"error: no checkpoint in {tmp_path}/checkpoints"]
 
 
 @pytest.mark.slow
