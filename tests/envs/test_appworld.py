@@ -1024,6 +1024,10 @@ def run_program(servers, tmp_path, workdir) -> subprocess.CompletedProcess:
       "--config.num_iterations=1",
       "--config.checkpoint.every=1000",
       "--config.learner.kl_coef=0.0",
+      # SeeUPO's turns on the whole batch at full length: one length program of the update to
+      # compile instead of several (the bucketed update equals it:
+      # tests/learner/test_learner_turn_buckets.py).
+      "--config.learner.turn_buckets=1",
       "--config.log.progress_bar=False",
       "--config.log.plot=False",
       "--config.log.tensorboard=False",

@@ -54,6 +54,7 @@ SMALL = (
   "--config.log.progress_bar=False",
   "--config.log.plot=False",
   "--config.save_hf=True",
+  "--config.learner.turn_buckets=1",  # one length program of the update (tests/training/test_train.py)
 )
 PARAMS_TOL = dict(atol=1e-5, rtol=1e-5)
 # Timings, and numbers of the engine's schedule (per-process sessions), not of the trajectories.

@@ -38,6 +38,10 @@ SMALL = (
   "--config.eval.num_tasks=4",
   "--config.eval.k=2",
   "--config.log.progress_bar=False",
+  # SeeUPO's turns on the whole batch at full length: one length program of the update to compile
+  # instead of 4 (the bucketed update equals it: tests/learner/test_learner_turn_buckets.py; the
+  # learning test and tests/training/test_first_contact.py run the default).
+  "--config.learner.turn_buckets=1",
 )
 
 

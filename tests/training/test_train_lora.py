@@ -33,6 +33,7 @@ ARGS = (
   "--config.model.lora.targets=q_proj,v_proj,down_proj",
   "--config.model.lora.quantize=nf4",
   "--config.learner.kl_coef=0.05",  # the reference is the base
+  "--config.learner.turn_buckets=1",  # one length program of the update (tests/training/test_train.py)
 )
 
 
