@@ -86,8 +86,7 @@ def decode_mesh(mesh: Mesh, tensor: Optional[int] = None) -> Mesh:
     tensor: the tensor-parallel size; None = every device of one `mesh` data slice
       (fsdp x tensor of `mesh`), so data keeps its size, but at most one process's devices
       of `mesh` (their greatest common divisor: a tensor-parallel group never spans
-      processes). Must
-      divide the number of devices; data becomes devices / tensor.
+      processes). Must divide the number of devices; data becomes devices / tensor.
 
   Returns:
     A `Mesh` of the same devices in the same order, shape (devices / tensor, 1, tensor).
