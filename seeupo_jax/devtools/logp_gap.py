@@ -30,7 +30,19 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
+from absl import logging
+import jax
+import ml_collections
 import numpy as np
+import orbax.checkpoint as ocp
+
+from seeupo_jax import distributed
+from seeupo_jax import learner
+from seeupo_jax import rollout
+from seeupo_jax.training import checkpoints
+from seeupo_jax.training import config as config_lib
+from seeupo_jax.training import pipeline
+from seeupo_jax.training import program as program_lib
 
 Params = Any
 
@@ -73,9 +85,6 @@ def gaps_by_version(
   Returns:
     One `VersionGap` per version that sampled a reply token, in version order.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-
-  from seeupo_jax import rollout  # pylint: disable=g-import-not-at-top
 
   batch = rollout.collate(trajectories, num_turns=num_turns, max_len=max_len)
   logp = np.asarray(jax.jit(logprob_fn)(params, jax.tree.map(jax.numpy.asarray, batch)))
@@ -99,17 +108,6 @@ def checkpoint_gaps(workdir: str, iteration: int | None = None) -> tuple[int, li
     ValueError: no checkpoint; one without pending batches (a synchronous run's); a LoRA run's
       (its checkpoints leave the frozen base out); one written by several processes.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  import ml_collections  # pylint: disable=g-import-not-at-top
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-
-  from seeupo_jax import distributed  # pylint: disable=g-import-not-at-top
-  from seeupo_jax import learner  # pylint: disable=g-import-not-at-top
-  from seeupo_jax.training import checkpoints  # pylint: disable=g-import-not-at-top
-  from seeupo_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
-  from seeupo_jax.training import pipeline  # pylint: disable=g-import-not-at-top
-  from seeupo_jax.training import program as program_lib  # pylint: disable=g-import-not-at-top
-
   directory = os.path.join(workdir, "checkpoints")
   reader = checkpoints.Checkpointer(directory, read_only=True)
   try:
@@ -158,8 +156,6 @@ def main(argv=None) -> int:
   parser.add_argument("--workdir", required=True, help="a run's workdir (local)")
   parser.add_argument("--iteration", type=int, default=None, help="default: the newest checkpoint")
   args = parser.parse_args(argv)
-  from absl import logging  # pylint: disable=g-import-not-at-top
-
   logging.set_verbosity(logging.ERROR)  # orbax's notes on the checkpoint's files
   try:
     iteration, batches = checkpoint_gaps(args.workdir, args.iteration)
