@@ -65,12 +65,8 @@ def worker(args) -> None:
   own = None
   learner_devices = jax.devices()
   if args.own:  # each process's last `own` devices are its sampler's (`program.split_devices`)
-    own = jax.local_devices()[-args.own :]
-    by_process = {}
-    for d in jax.devices():
-      by_process.setdefault(d.process_index, []).append(d)
-    taken = {d.id for ds in by_process.values() for d in ds[-args.own :]}
-    learner_devices = [d for d in jax.devices() if d.id not in taken]
+    learner_devices, apart = distributed.split_last_of_each(jax.devices(), args.own)
+    own = apart[jax.process_index()]
   mesh = sharding.make_mesh(data=1, fsdp=-1, tensor=1, devices=learner_devices)
   report = {}
   for preset in args.presets.split(","):

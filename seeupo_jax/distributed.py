@@ -177,6 +177,25 @@ class Processes:
     return [x for part in self.allgather(list(items)) for x in part]
 
 
+def split_last_of_each(devices: Sequence[jax.Device], last: int) -> tuple[list, dict[int, list]]:
+  """Each process's last `last` devices set apart from the others.
+
+  Args:
+    devices: every process's devices, in their order (`jax.devices()`).
+    last: how many of each process's devices to set apart (fewer than each process has).
+
+  Returns:
+    (the other devices, every process's, in `devices`' order; {process index: its last `last`
+    devices, in order}).
+  """
+  by_process: dict[int, list] = {}
+  for d in devices:
+    by_process.setdefault(d.process_index, []).append(d)
+  apart = {p: own[len(own) - last :] for p, own in by_process.items()}
+  taken = {d.id for own in apart.values() for d in own}
+  return [d for d in devices if d.id not in taken], apart
+
+
 def process_mesh(mesh: Mesh, process_index: Optional[int] = None) -> Mesh:
   """The sub-mesh of `mesh` that holds one process's devices (default: this process's).
 

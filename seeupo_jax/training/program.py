@@ -7,6 +7,7 @@ config comes typed (`config.typed`, at the program boundary: `trainer`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -228,19 +229,15 @@ def split_devices(config: TrainConfig, processes) -> tuple[list, list | None]:
   r = config.pipeline.rollout_devices
   if not r:
     return devices, None
-  by_process: dict[int, list] = {}
-  for d in devices:
-    by_process.setdefault(d.process_index, []).append(d)
-  fewest = min(len(own) for own in by_process.values())
+  fewest = min(collections.Counter(d.process_index for d in devices).values())
   if r >= fewest:
     where = f"the {fewest}" if processes.count == 1 else f"the {fewest} of each process"
     raise ConfigError(
       f"pipeline.rollout_devices={r} leaves the learner no device of {where}; "
       f"allowed: 0 to {fewest - 1}"
     )
-  sampler = {p: own[len(own) - r :] for p, own in by_process.items()}
-  taken = {d.id for own in sampler.values() for d in own}
-  return [d for d in devices if d.id not in taken], sampler[jax.process_index()]
+  learner_devices, sampler = distributed.split_last_of_each(devices, r)
+  return learner_devices, sampler[jax.process_index()]
 
 
 def check_partial_rollouts(config: TrainConfig, processes, dynamic_sampling: bool) -> None:

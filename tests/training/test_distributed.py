@@ -111,6 +111,27 @@ def test_blocks_split_n_items_in_process_order():
   assert distributed.Processes().allgather({"a": 1}) == [{"a": 1}]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Device:
+  id: int
+  process_index: int
+
+
+def test_split_last_of_each_sets_each_process_s_last_devices_apart():
+  """2 hosts of 4 in blocks (0-3, 4-7), and 2 hosts whose devices alternate in the order (as a
+  slice's topology order may give them)."""
+  blocks = [_Device(i, i // 4) for i in range(8)]
+  rest, apart = distributed.split_last_of_each(blocks, 2)
+  assert [d.id for d in rest] == [0, 1, 4, 5]
+  assert {p: [d.id for d in ds] for p, ds in apart.items()} == {0: [2, 3], 1: [6, 7]}
+  alternating = [_Device(i, i % 2) for i in range(6)]
+  rest, apart = distributed.split_last_of_each(alternating, 1)
+  assert [d.id for d in rest] == [0, 1, 2, 3]
+  assert {p: [d.id for d in ds] for p, ds in apart.items()} == {0: [4], 1: [5]}
+  rest, apart = distributed.split_last_of_each(blocks, 0)
+  assert rest == blocks and apart == {0: [], 1: []}
+
+
 def test_processes_play_their_blocks_and_report_the_whole_call(tok):
   tasks = envs.make_spec("synthetic", {"num_dials": 2}).task_ids("train")[:5]
   key = jax.random.key(3)
