@@ -18,7 +18,8 @@ on the batch with theta_i. Tokens of version i are on-policy: the gap is the sam
 versions add what the updates between moved (the learner's TIS weights and the
 `sample_logp_gap_*` metrics see the same gap, summed over versions). Everything is rebuilt from
 the checkpoint's own config (its manifest), on this machine's devices; the environment is not
-started. One process.
+started. It runs as one process, also on a checkpoint of a run of many (every process's
+trajectories of a batch together).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from seeupo_jax import distributed
 from seeupo_jax import learner
 from seeupo_jax import rollout
 from seeupo_jax.training import checkpoints
@@ -106,7 +106,7 @@ def checkpoint_gaps(workdir: str, iteration: int | None = None) -> tuple[int, li
 
   Raises:
     ValueError: no checkpoint; one without pending batches (a synchronous run's); a LoRA run's
-      (its checkpoints leave the frozen base out); one written by several processes.
+      (its checkpoints leave the frozen base out).
   """
   directory = os.path.join(workdir, "checkpoints")
   reader = checkpoints.Checkpointer(directory, read_only=True)
@@ -128,7 +128,10 @@ def checkpoint_gaps(workdir: str, iteration: int | None = None) -> tuple[int, li
     progress = json.load(f)
   if pipeline.PROGRESS_KEY not in progress:
     raise ValueError(f"checkpoint {iteration} holds no pending batch (pipeline.lag=0)")
-  pending = pipeline.from_progress(progress, distributed.Processes.current(), config.pipeline.lag)
+  pending = [
+    (int(entry["version"]), pipeline.batch_trajectories(entry))
+    for entry in progress[pipeline.PROGRESS_KEY]
+  ]
   checkpointer = ocp.StandardCheckpointer()
   path = os.path.join(where, "train_state")
   metadata = checkpointer.metadata(path)
@@ -139,15 +142,15 @@ def checkpoint_gaps(workdir: str, iteration: int | None = None) -> tuple[int, li
   model_config = program_lib.build_model_config(config)
   logprob_fn = learner.qwen_logprob_fn(model_config, temperature=config.rollout.temperature)
   out = []
-  for sampled in pending:
+  for version, trajectories in pending:
     gaps = gaps_by_version(
       logprob_fn,
       params,
-      sampled.result.trajectories,
+      trajectories,
       num_turns=config.learner.num_turns,
       max_len=config.rollout.max_context_tokens,
     )
-    out.append((sampled.version, gaps))
+    out.append((version, gaps))
   return iteration, out
 
 

@@ -56,6 +56,7 @@ it made, without a reshard. The learner's params are never modified.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -73,6 +74,29 @@ from seeupo_jax.models import qwen
 from seeupo_jax.models.config import ModelConfig
 
 Params = Any
+
+
+@dataclasses.dataclass
+class Staged:
+  """A decode copy begun ahead of its use (`DecodeLayout.stage`), finished by
+  `DecodeLayout.install`.
+
+  Attributes:
+    source: the learner's params it is a copy of.
+    copy: the copy so far: `source` itself (one process: nothing begun), the reshard's output
+      on `reshard_mesh` (many processes sampling on the learner's devices), or this process's
+      part of the hop on the learner's devices (many processes, samplers on devices of their
+      own).
+  """
+
+  source: Params
+  copy: Params
+
+  def ready(self) -> bool:
+    """Whether what `copy` waits for (the update that makes `source`, the collective part) is
+    done: `install` then only does this process's part."""
+    return all(x.is_ready() for x in jax.tree.leaves(self.copy))
+
 
 # Parameters split over attention heads: replicated when "tensor" does not divide the kv heads.
 _ATTENTION = re.compile(r"attn/(q_proj|k_proj|v_proj|o_proj)/")
@@ -403,6 +427,58 @@ class DecodeLayout:
     """The KV cache's shardings on the decode mesh (for `sampling.SamplerSession`)."""
     return sharding.cache_shardings(cache, self.mesh)
 
+  def _holds(self, leaves: list) -> bool:
+    """Whether the copy in use is of exactly these learner params' leaves (the same arrays)."""
+    return (
+      self._params is not None
+      and len(leaves) == len(self._source)
+      and all(ref() is leaf for ref, leaf in zip(self._source, leaves))
+    )
+
+  def _keep(self, leaves: list, out: Params) -> Params:
+    """Makes `out` (on `reshard_mesh`) the copy in use, of `leaves`; returns its part on `mesh`."""
+    self._source = [weakref.ref(leaf) for leaf in leaves]
+    self._params = out
+    if self.mesh is self.reshard_mesh:
+      self._local = out
+    else:
+      self._local = jax.tree.map(lambda x: distributed.local_view(x, self.mesh), out)
+    return self._local
+
+  def stage(self, params: Params) -> Staged:
+    """Begins the copy of `params` for a later `install`; the copy in use stays as it is.
+
+    With many processes every process calls it at the same point of its program (with its
+    part of the same params), and the part that is their collective is dispatched now: the
+    reshard into a new copy (not into the previous copy's buffers: the sampler may still be
+    reading them), or with devices of its own the hop. `install` then does this process's part
+    alone, at whatever point each process reaches it (partial rollouts: each swaps when it sees
+    the copy ready). One process: nothing begins; `install` is `layout(params)`.
+    """
+    if jax.process_count() == 1:
+      return Staged(params, params)
+    if self.separate:
+      return Staged(params, self._hop(params))
+    with jax.set_mesh(self.reshard_mesh):
+      return Staged(params, self.reshard(params))
+
+  def install(self, staged: Staged) -> Params:
+    """The staged copy on this process's decode mesh, made the copy in use: what
+    `layout(staged.source)` returns from now on. This process's part only (no collective);
+    blocks, with devices of its own, until the copy has landed on them. Installing the copy in
+    use again returns it."""
+    leaves = jax.tree.leaves(staged.source)
+    if self._holds(leaves):
+      return self._local
+    if jax.process_count() == 1:
+      return self(staged.source)
+    if not self.separate:
+      return self._keep(leaves, staged.copy)
+    self.release()  # one copy on the sampler's devices
+    out = jax.block_until_ready(jax.device_put(staged.copy, self.shardings))
+    self._hop.release()
+    return self._keep(leaves, out)
+
   def __call__(self, params: Params) -> Params:
     """The decode-layout copy of `params` (learner layout, any float dtype), on `mesh`.
 
@@ -411,34 +487,18 @@ class DecodeLayout:
     many processes, a collective: every process calls it with its part of the same params.
     """
     leaves = jax.tree.leaves(params)
-    if (
-      self._params is not None
-      and len(leaves) == len(self._source)
-      and all(ref() is leaf for ref, leaf in zip(self._source, leaves))
-    ):
+    if self._holds(leaves):
       return self._local
     if self.separate:
+      if self._hop is not None:
+        return self.install(self.stage(params))
       self.release()  # one copy on the sampler's devices
-      if self._hop is None:
-        with jax.set_mesh(self._learner_mesh):
-          cast = self._cast(params)
-        out = jax.device_put(cast, self.shardings)
-      else:
-        hop = self._hop(params)  # a collective of the processes
-        out = jax.block_until_ready(jax.device_put(hop, self.shardings))
-        self._hop.release()
-      self._source = [weakref.ref(leaf) for leaf in leaves]
-      self._params = self._local = out
-      return out
+      with jax.set_mesh(self._learner_mesh):
+        cast = self._cast(params)
+      return self._keep(leaves, jax.device_put(cast, self.shardings))
     with jax.set_mesh(self.reshard_mesh):  # over every process's devices
       if self.donate and self._params is not None:
         out = self.reshard_into(params, self._params)
       else:
         out = self.reshard(params)
-    self._source = [weakref.ref(leaf) for leaf in leaves]
-    self._params = out
-    if self.mesh is self.reshard_mesh:
-      self._local = out
-    else:
-      self._local = jax.tree.map(lambda x: distributed.local_view(x, self.mesh), out)
-    return self._local
+    return self._keep(leaves, out)

@@ -19,8 +19,10 @@ learner's devices it is dispatched at the rollout's first wait for the environme
 (`Roller.run(on_env_wait=)`: after a decode round, every live episode waiting on a tool call), so
 its device time runs in the environments' time, and after the rollout if that never waits; with
 many processes, first (the schedule, the prologue and what a checkpoint holds: `pipeline.py`).
-With `pipeline.partial_rollouts` the sampler of B_{i+k} swaps to the update's params once they
-are ready (`newer_params`, `Roller.run(refresh=)`).
+With `pipeline.partial_rollouts` the decode copy of the update's params is begun beside the
+update (`DecodeLayout.stage`; with many processes their collective, at the same point on each)
+and the sampler of B_{i+k} swaps to it once it is ready (`newer_params`, `Roller.run(refresh=)`,
+`DecodeLayout.install`: this process's part alone).
 
 The loop writes no file itself: the writers are the caller's (`trainer.train`).
 """
@@ -137,20 +139,18 @@ def run(
 
   partial = config.pipeline.partial_rollouts
 
-  def newer_params(updated: list, version: int):
-    """Partial rollouts: `Roller.run`'s refresh. Once the update in `updated` has finished
-    (its params are ready: no wait), its params in the decode layout, of `version`; before
+  def newer_params(staged: list, version: int):
+    """Partial rollouts: `Roller.run`'s refresh. Once the decode copy in `staged`, begun beside
+    the update, is ready (the update has finished: no wait), that copy, of `version`; before
     that and after the one swap, None."""
     swapped = []
 
     def refresh():
-      if swapped or not updated:
-        return None
-      params = learner.policy_params(updated[0][0])
-      if not all(x.is_ready() for x in jax.tree.leaves(params)):
+      if swapped or not staged or not staged[0].ready():
         return None
       swapped.append(version)
-      return decode_params(params), version
+      with jax.set_mesh(program.decode.mesh):
+        return program.decode.install(staged[0]), version
 
     return refresh
 
@@ -187,15 +187,17 @@ def run(
       )
       learner.validate(batch, program.learner_config.num_turns, num_rows=global_rows)
       sharded = learner.shard_batch(batch, program.mesh)
-      updated = []
+      updated, staged = [], []
       # Partial rollouts: the sampling of B_{i+k} swaps to theta_i once the update is done.
-      refresh = newer_params(updated, iteration + 1) if partial else None
+      refresh = newer_params(staged, iteration + 1) if partial else None
 
       def dispatch_update(state=state, sharded=sharded, k_update=k_update):
         # Returns at once (JAX's asynchronous dispatch); the first call only.
         if not updated:
           with jax.set_mesh(program.mesh):  # called inside the sampler's (decode) mesh
             updated.append(program.update(state, sharded, k_update))
+          if partial:  # theta_i's decode copy begun: with many processes, here on each
+            staged.append(program.decode.stage(learner.policy_params(updated[0][0])))
 
       if not lag:
         dispatch_update()
@@ -223,6 +225,12 @@ def run(
         )
         rollout_time = time.perf_counter() - t_sample
         dispatch_update()  # a rollout that never waited: after it
+      if partial:
+        # Swapped or not, every process ends the rollout holding theta_i's copy: with many
+        # processes each swaps at its own point, or not at all, and the next call for these
+        # params (evaluation, the next rollout) must then be no collective on any of them.
+        with jax.set_mesh(program.decode.mesh):
+          program.decode.install(staged[0])
       state, learner_metrics = updated[0]
       learner_metrics = jax.device_get(learner_metrics)
       t2 = time.perf_counter()
@@ -235,7 +243,11 @@ def run(
       metrics["time/env_wait_share"] = result.metrics["rollout/env_wait_time"] / (t2 - t0)
       if lag:
         metrics["pipeline/lag"] = pipeline.version_lag(iteration, this.version)
-        metrics.update(pipeline.token_lag_metrics(result.trajectories, iteration, this.version))
+        metrics.update(
+          pipeline.token_lag_metrics(
+            result.trajectories, iteration, this.version, program.processes
+          )
+        )
       if _due(iteration, config.eval.every, config.num_iterations):
         metrics.update(_evaluate(program, state, eval_ids, config, iteration, k))
       progress_fn(iteration, metrics)

@@ -19,7 +19,8 @@ of the same schedule run one step after the other (`loop.run` with `overlap=Fals
 Partial rollouts (`pipeline.partial_rollouts`) give up that determinism for fresher tokens: the
 sampler of B_{i+k} swaps to theta_i as soon as the update of B_i has finished, inside the
 episodes in progress (`Roller.run(refresh=)`), each token tagged with the version that sampled
-it (`Trajectory.versions`; `token_lag_metrics`).
+it (`Trajectory.versions`; `token_lag_metrics`). With many processes each swaps at its own
+point, to a copy of theta_i all of them began beside the update (`DecodeLayout.stage`).
 
 The batches sampled but not yet trained (k of them between iterations) are part of the
 loop's state: a checkpoint holds them, every process's, in its `progress` item
@@ -34,7 +35,6 @@ import dataclasses
 from typing import Any, Optional
 
 import jax
-import numpy as np
 
 from seeupo_jax.rollout.roller import RolloutResult
 from seeupo_jax.rollout.trajectory import Trajectory
@@ -58,10 +58,11 @@ def version_lag(iteration: int, version: int) -> int:
   return iteration - 1 - version
 
 
-def token_lag_metrics(trajectories, iteration: int, version: int) -> dict[str, float]:
+def token_lag_metrics(trajectories, iteration: int, version: int, processes) -> dict[str, float]:
   """Per-token staleness of a batch trained at 1-based `iteration` and begun with params of
-  `version`: over its reply tokens (of trajectories not dropped), how many updates older than
-  the update's starting params the params that sampled each were (`version_lag` of the token's
+  `version`: over its reply tokens (of trajectories not dropped; every process's, whose counts
+  are exchanged: a collective, every process calls it), how many updates older than the
+  update's starting params the params that sampled each were (`version_lag` of the token's
   `Trajectory.versions` entry; records without versions: the batch's version).
 
     pipeline/token_lag_mean, pipeline/token_lag_min   the mean and least token lag
@@ -76,14 +77,16 @@ def token_lag_metrics(trajectories, iteration: int, version: int) -> dict[str, f
     lags.extend(
       version_lag(iteration, v) for turn, v in zip(t.turn_ids, versions, strict=True) if turn >= 0
     )
-  if not lags:
-    return {}
-  lags = np.asarray(lags)
   first = version_lag(iteration, version)
+  mine = (len(lags), sum(lags), min(lags, default=None), sum(lag < first for lag in lags))
+  everyone = processes.allgather(mine)
+  count = sum(part[0] for part in everyone)
+  if not count:
+    return {}
   return {
-    "pipeline/token_lag_mean": float(lags.mean()),
-    "pipeline/token_lag_min": float(lags.min()),
-    "pipeline/swapped_token_share": float(np.mean(lags < first)),
+    "pipeline/token_lag_mean": sum(part[1] for part in everyone) / count,
+    "pipeline/token_lag_min": float(min(part[2] for part in everyone if part[0])),
+    "pipeline/swapped_token_share": sum(part[3] for part in everyone) / count,
   }
 
 
@@ -118,6 +121,12 @@ def to_progress(pending: list[Sampled], processes) -> list[dict[str, Any]]:
     {"version": s.version, "processes": [part[j] for part in everyone]}
     for j, s in enumerate(pending)
   ]
+
+
+def batch_trajectories(entry: dict[str, Any]) -> list[Trajectory]:
+  """Every process's trajectories of a pending batch (an entry of `to_progress`), process 0's
+  first: the whole batch, for reading a checkpoint of any number of processes."""
+  return [_trajectory(r) for part in entry["processes"] for r in part["trajectories"]]
 
 
 def from_progress(progress: dict[str, Any], processes, lag: int) -> Optional[list[Sampled]]:

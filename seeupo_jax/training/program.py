@@ -240,11 +240,9 @@ def split_devices(config: TrainConfig, processes) -> tuple[list, list | None]:
   return learner_devices, sampler[jax.process_index()]
 
 
-def check_partial_rollouts(config: TrainConfig, processes, dynamic_sampling: bool) -> None:
-  """`pipeline.partial_rollouts` needs a lag (a newer version to swap to while sampling), one
-  process (the swap happens when this process sees the update done: with many, at different
-  points, and the params copy is their collective) and no dynamic sampling (its refills would
-  sample with params the swap replaced).
+def check_partial_rollouts(config: TrainConfig, dynamic_sampling: bool) -> None:
+  """`pipeline.partial_rollouts` needs a lag (a newer version to swap to while sampling) and no
+  dynamic sampling (its refills would sample with params the swap replaced).
 
   Raises:
     ConfigError: naming the key and what it needs.
@@ -256,11 +254,6 @@ def check_partial_rollouts(config: TrainConfig, processes, dynamic_sampling: boo
     raise ConfigError(
       "pipeline.partial_rollouts=True needs pipeline.lag >= 1 (with lag 0 every batch is "
       "sampled with the newest params already); allowed with lag 0: False"
-    )
-  if processes.count > 1:
-    raise ConfigError(
-      f"pipeline.partial_rollouts=True needs one process (this run has {processes.count}); "
-      "allowed here: False"
     )
   if dynamic_sampling:
     raise ConfigError(
@@ -326,7 +319,7 @@ def build(config: TrainConfig) -> Program:
   session_config = r.session_config(processes.count)
   eval_sampling = dataclasses.replace(sampling_config, greedy=config.eval.greedy)
   learner_config = config.learner
-  check_partial_rollouts(config, processes, bool(learner_config.dynamic_sampling))
+  check_partial_rollouts(config, bool(learner_config.dynamic_sampling))
   learner_parts = build_learner(config, model_config)
   optimizer, critic_optimizer = learner_parts.optimizer, learner_parts.critic_optimizer
   ppo = critic_optimizer is not None

@@ -27,10 +27,13 @@ import pytest
 import processes
 import shared_runs
 
+from seeupo_jax.devtools import logp_gap
 from seeupo_jax.training import metrics_log
+from seeupo_jax.training import pipeline
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _RUN = os.path.join(_ROOT, "experiments", "run.py")
+_STEP_BY_STEP = os.path.join(_ROOT, "tests", "run_step_by_step.py")  # run.py, overlap=False
 sys.path.insert(0, _ROOT)
 from experiments import configs  # noqa: E402
 
@@ -100,10 +103,10 @@ def _free_port() -> int:
 
 
 def _start(
-  workdir, num_processes: int, devices: int, logs, cache=None, extra=()
+  workdir, num_processes: int, devices: int, logs, cache=None, extra=(), script=_RUN
 ) -> list[subprocess.Popen]:
-  """Starts run.py as `num_processes` processes of `devices` CPU devices each (`extra` flags
-  after `SMALL`)."""
+  """Starts run.py (or `script`, which takes its flags) as `num_processes` processes of
+  `devices` CPU devices each (`extra` flags after `SMALL`)."""
   env = processes.env(devices)
   if cache is not None:  # JAX's persistent compilation cache: each program compiles once
     env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
@@ -116,7 +119,7 @@ def _start(
     with open(logs / f"process{i}.log", "w") as out:
       procs.append(
         subprocess.Popen(
-          [sys.executable, _RUN, f"--workdir={workdir}", *SMALL, *extra, *flags, *ident],
+          [sys.executable, script, f"--workdir={workdir}", *SMALL, *extra, *flags, *ident],
           cwd=_ROOT,
           env=env,
           stdout=out,
@@ -126,15 +129,17 @@ def _start(
   return procs
 
 
-def _run(workdir, num_processes: int, devices: int, cache=None, timeout=900, extra=()) -> list[str]:
-  """Runs to the end (`extra` flags after `SMALL`); returns each process's output (also in
-  <workdir>_logs<k>/)."""
+def _run(
+  workdir, num_processes: int, devices: int, cache=None, timeout=900, extra=(), script=_RUN
+) -> list[str]:
+  """Runs to the end (`extra` flags after `SMALL`; `script`: see `_start`); returns each
+  process's output (also in <workdir>_logs<k>/)."""
   k = 0
   while (workdir.parent / f"{workdir.name}_logs{k}").exists():
     k += 1
   logs = workdir.parent / f"{workdir.name}_logs{k}"
   logs.mkdir()
-  procs = _start(workdir, num_processes, devices, logs, cache, extra)
+  procs = _start(workdir, num_processes, devices, logs, cache, extra, script)
   deadline = time.time() + timeout
   try:
     for proc in procs:
@@ -254,6 +259,76 @@ def test_samplers_on_devices_of_their_own_play_and_learn_as_the_time_shared_run(
   assert _trajectories(own) == _trajectories(shared)
   a = (shared / "hf_policy" / "model.safetensors").read_bytes()
   assert (own / "hf_policy" / "model.safetensors").read_bytes() == a
+
+
+def _pending(workdir, iteration):
+  """Checkpoint `iteration`'s pending batch (lag 1: one): its version and every process's
+  trajectories."""
+  metadata = workdir / "checkpoints" / str(iteration) / "progress" / "metadata"
+  (entry,) = json.loads(metadata.read_text())[pipeline.PROGRESS_KEY]
+  return entry["version"], pipeline.batch_trajectories(entry)
+
+
+def _reply_versions(trajectory):
+  return np.asarray(trajectory.versions)[np.asarray(trajectory.turn_ids) >= 0]
+
+
+@pytest.mark.slow
+def test_partial_rollouts_swap_on_each_process_to_the_copy_begun_beside_the_update(
+  two_processes, tmp_path
+):
+  """`pipeline.partial_rollouts` with 2 processes: the decode copy of each update's params is
+  begun beside the update on both (their collective), and each process installs it, no
+  collective, when its sampler sees it ready, or after its rollout if it never did.
+
+  Run step by step (tests/run_step_by_step.py: each update done before the sampling beside
+  it), on the shared devices: every batch after the prologue is sampled with the update's
+  params, so under checkpoint i's params theta_i every token of B_{i+1}, both processes', is of
+  version i with theta_i's log-probs. With samplers on devices of their own (the last 2 of each
+  process's 4) and process 1 never seeing the copy ready: process 0's tokens of B_{i+1} are of
+  version i, with theta_i's log-probs, process 1's of version i - 1 (B_1's too: theta_0); the run
+  goes on (no collective waits for a process that did not swap), and iteration 2's token-lag
+  metrics count both processes' tokens of B_2."""
+  _, cache, _ = two_processes
+  partial = "--config.pipeline.partial_rollouts=True"
+  step = tmp_path / "step"
+  _run(step, 2, 2, cache, extra=(partial,), script=_STEP_BY_STEP)
+  records = _records(step)
+  assert [r["pipeline/swapped_token_share"] for r in records] == [0.0, 1.0]
+  for i in range(1, ITERATIONS + 1):
+    version, trajectories = _pending(step, i)
+    assert version == i - 1
+    tokens = sum(len(_reply_versions(t)) for t in trajectories)
+    assert {int(v) for t in trajectories for v in _reply_versions(t)} == {i}
+    assert len({t.group for t in trajectories}) == 2  # both processes' groups
+    _, [(_, gaps)] = logp_gap.checkpoint_gaps(str(step), i)
+    assert [(g.version, g.tokens) for g in gaps] == [(i, tokens)]
+    assert gaps[0].max < 2e-5
+
+  own = tmp_path / "own"
+  extra = ("--config.pipeline.rollout_devices=2", partial)
+  with pytest.MonkeyPatch.context() as m:
+    m.setenv("NEVER_READY_PROCESS", "1")
+    _run(own, 2, 4, cache, extra=extra, script=_STEP_BY_STEP)
+  records = _records(own)
+  assert [r["iteration"] for r in records] == list(range(1, ITERATIONS + 1))
+  for i in range(1, ITERATIONS + 1):
+    version, trajectories = _pending(own, i)
+    assert version == i - 1
+    first, second = sorted({t.group for t in trajectories})  # process 0's group, process 1's
+    for t in trajectories:
+      assert set(_reply_versions(t)) == {i if t.group == first else i - 1}, t.group
+    counts = [
+      sum(len(_reply_versions(t)) for t in trajectories if t.group == g) for g in (first, second)
+    ]
+    _, [(_, gaps)] = logp_gap.checkpoint_gaps(str(own), i)
+    assert [(g.version, g.tokens) for g in gaps] == [(i - 1, counts[1]), (i, counts[0])]
+    assert gaps[1].max < 2e-5 and gaps[0].max > 1e-3  # theta_i's own; one update off
+  _, trained = _pending(own, 1)  # B_2, trained at iteration 2
+  lags = 1 - np.concatenate([_reply_versions(t) for t in trained])
+  assert 0 < np.mean(lags < 1) < 1
+  assert records[1]["pipeline/token_lag_mean"] == pytest.approx(lags.mean())
+  assert records[1]["pipeline/swapped_token_share"] == pytest.approx(np.mean(lags < 1))
 
 
 @pytest.mark.slow
