@@ -46,6 +46,12 @@ number each, once per set of params), whose local part this process `device_put`
 sampler devices, device to device within the host; the hop is deleted once the copy has landed.
 Either way the previous copy is deleted first, so the sampler's devices hold one copy.
 
+A copy begun ahead of its use (`layout.stage(params)`, then `layout.install(staged)`): with many
+processes `stage` dispatches the part that is their collective (a reshard into new buffers, or
+the hop), without waiting, at the same point on every process, and `install` does this
+process's part alone, whenever it reaches it: partial rollouts swap each process's sampler to
+the update's params at its own point (`training/loop.py`).
+
 `layout(params)` runs one jitted function with fixed `out_shardings`. From the second call on it
 donates the previous call's output, so XLA writes the new copy into the old copy's buffers (the
 compiled reshard aliases every output to a donated input: no second copy is ever allocated);
